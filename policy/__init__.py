@@ -1,0 +1,64 @@
+"""Tool contracts and the layered check that decides whether a proposed call may run.
+
+The public surface:
+
+- `ToolContract` and its parts: the twelve fields a trusted registry holds per tool.
+- `ContractRegistry` / `ToolCatalog`: load operator files, refuse bad ones, pin versions.
+- `ProposalChecker`: parse → tool → structure → semantics → authorization → risk →
+  approval → budget, returning a `schemas.Decision` and never raising.
+- Ports the host supplies (`TargetResolver`, `BudgetCounter`, `SemanticRule`) and
+  in-memory adapters of them.
+"""
+
+from policy._check._checker import ProposalChecker
+from policy._check._structure import CompiledSchema
+from policy._contract import (
+    ApprovalMode,
+    ApprovalPolicy,
+    ContractError,
+    EffectClass,
+    ErrorModelEntry,
+    Idempotency,
+    Limits,
+    RetryPolicy,
+    RiskCondition,
+    RiskPolicy,
+    RiskRule,
+    TargetRule,
+    ToolContract,
+    ToolDescription,
+    ToolVersion,
+)
+from policy._fakes import InMemoryBudgetCounter, InMemoryTargetResolver
+from policy._ports import BudgetCounter, SemanticInput, SemanticRule, Target, TargetResolver
+from policy._registry import ContractRegistry, ToolCatalog, json_pointer, parse_contract
+
+__all__ = [
+    "ApprovalMode",
+    "ApprovalPolicy",
+    "BudgetCounter",
+    "CompiledSchema",
+    "ContractError",
+    "ContractRegistry",
+    "EffectClass",
+    "ErrorModelEntry",
+    "Idempotency",
+    "InMemoryBudgetCounter",
+    "InMemoryTargetResolver",
+    "Limits",
+    "ProposalChecker",
+    "RetryPolicy",
+    "RiskCondition",
+    "RiskPolicy",
+    "RiskRule",
+    "SemanticInput",
+    "SemanticRule",
+    "Target",
+    "TargetResolver",
+    "ToolCatalog",
+    "ToolContract",
+    "ToolDescription",
+    "ToolVersion",
+    "json_pointer",
+    "parse_contract",
+]

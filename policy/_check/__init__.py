@@ -1,0 +1,1 @@
+"""The layered proposal check: one module per stage, composed by `ProposalChecker`."""

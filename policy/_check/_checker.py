@@ -1,0 +1,257 @@
+"""The one entry point: a raw proposal plus trusted context in, a decision out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from policy._check._approval import approval_requirement
+from policy._check._authorization import check_authorization
+from policy._check._budget import check_budget
+from policy._check._parse import parse_arguments
+from policy._check._risk import assess_risk
+from policy._check._semantics import check_semantics
+from policy._check._structure import CompiledSchema, apply_defaults
+from policy._contract import ToolContract
+from policy._ports import BudgetCounter, SemanticRule, TargetResolver
+from policy._registry import ToolCatalog
+from schemas import (
+    CanonicalizationError,
+    CheckStage,
+    Decision,
+    DecisionOutcome,
+    ErrorCategory,
+    RepairStatus,
+    RuntimeContext,
+    ToolProposal,
+    ValidationIssue,
+    proposal_hash,
+)
+
+__all__ = ["ProposalChecker"]
+
+_log = logging.getLogger(__name__)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class ProposalChecker:
+    """Runs the layered check on proposals against one pinned catalog.
+
+    Stages run in order and stop at the first that finds a fault, so repair
+    feedback is about one layer at a time. `check` never raises: every failure,
+    including a bug in a semantic rule, becomes a rejected decision.
+    """
+
+    def __init__(
+        self,
+        catalog: ToolCatalog,
+        *,
+        resolver: TargetResolver | None = None,
+        rules: Mapping[str, Sequence[SemanticRule]] | None = None,
+        budget: BudgetCounter | None = None,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        self.catalog = catalog
+        self._resolver = resolver
+        self._rules = dict(rules or {})
+        self._budget = budget
+        self._clock = clock
+        self._schemas = {name: CompiledSchema(c.input_schema) for name, c in catalog.items()}
+
+    def check(
+        self, proposal: ToolProposal | Mapping[str, Any], context: RuntimeContext
+    ) -> Decision:
+        """Decide on one proposal: ready, needs approval, or rejected."""
+        try:
+            if not isinstance(proposal, ToolProposal):
+                try:
+                    proposal = ToolProposal.model_validate(proposal)
+                except ValidationError as exc:
+                    return _malformed_envelope(proposal, exc)
+            return self._check(proposal, context)
+        except Exception:
+            _log.exception("proposal check failed")
+            proposal_id = proposal.proposal_id if isinstance(proposal, ToolProposal) else ""
+            tool = proposal.tool_name if isinstance(proposal, ToolProposal) else ""
+            return _rejected(
+                proposal_id,
+                tool,
+                [
+                    ValidationIssue(
+                        stage=CheckStage.PARSE,
+                        code="CHECK_FAILED",
+                        message="the proposal could not be checked",
+                        repairable=False,
+                        category=ErrorCategory.INTERNAL,
+                    )
+                ],
+            )
+
+    def _check(self, proposal: ToolProposal, context: RuntimeContext) -> Decision:
+        arguments, issues = parse_arguments(proposal.arguments)
+        contract = self.catalog.get(proposal.tool_name)
+        if contract is None:
+            return _rejected(
+                proposal.proposal_id,
+                proposal.tool_name,
+                [
+                    ValidationIssue(
+                        stage=CheckStage.TOOL,
+                        code="unknown_tool",
+                        message="no tool of this name is available",
+                        expected=sorted(self.catalog),
+                        actual=proposal.tool_name[:128],
+                        repairable=True,
+                    )
+                ],
+            )
+        if arguments is None:
+            return self._reject(proposal, contract, issues)
+
+        normalized, applied = apply_defaults(contract.input_schema, arguments)
+        issues = self._schemas[contract.name].issues(normalized)
+        if issues:
+            return self._reject(proposal, contract, issues)
+        try:
+            hashed = proposal_hash(
+                tool=contract.name,
+                tool_version=contract.version,
+                arguments=normalized,
+                actor=context.principal,
+                tenant=context.tenant,
+            )
+        except CanonicalizationError as exc:
+            return self._reject(
+                proposal,
+                contract,
+                [
+                    ValidationIssue(
+                        stage=CheckStage.STRUCTURE,
+                        code="not_canonical",
+                        message=f"arguments have no canonical JSON form: {exc}",
+                        repairable=True,
+                    )
+                ],
+            )
+
+        now = self._clock()
+        targets, issues = check_semantics(
+            contract,
+            normalized,
+            context,
+            resolver=self._resolver,
+            rules=self._rules.get(contract.name, ()),
+            now=now,
+        )
+        if not issues:
+            issues = check_authorization(contract, context)
+        if issues:
+            return self._reject(proposal, contract, issues, normalized, applied, hashed)
+
+        risk, reasons = assess_risk(contract, normalized, context, targets)
+        requirement = approval_requirement(contract, risk)
+        if isinstance(requirement, ValidationIssue):
+            return self._reject(
+                proposal, contract, [requirement], normalized, applied, hashed, risk, reasons
+            )
+        if self._budget is not None:
+            issues = check_budget(contract, context, self._budget, now)
+            if issues:
+                return self._reject(
+                    proposal, contract, issues, normalized, applied, hashed, risk, reasons
+                )
+
+        return Decision(
+            outcome=(
+                DecisionOutcome.READY if requirement is None else DecisionOutcome.NEEDS_APPROVAL
+            ),
+            proposal_id=proposal.proposal_id,
+            tool=contract.name,
+            tool_version=contract.version,
+            input_schema_hash=contract.input_schema_hash,
+            output_schema_hash=contract.output_schema_hash,
+            proposal_hash=hashed,
+            normalized_arguments=normalized,
+            applied_defaults=tuple(applied),
+            risk=risk,
+            risk_reasons=reasons,
+            approval=requirement,
+            repair=self._repair_status(proposal, contract, exhausted=False),
+        )
+
+    def _repair_status(
+        self, proposal: ToolProposal, contract: ToolContract, *, exhausted: bool
+    ) -> RepairStatus:
+        return RepairStatus(
+            attempt=proposal.repair_attempt,
+            max_attempts=contract.max_repair_attempts,
+            exhausted=exhausted,
+        )
+
+    def _reject(
+        self,
+        proposal: ToolProposal,
+        contract: ToolContract,
+        issues: Sequence[ValidationIssue],
+        normalized: dict[str, Any] | None = None,
+        applied: Sequence[str] = (),
+        hashed: str | None = None,
+        risk: Any = None,
+        reasons: tuple[str, ...] = (),
+    ) -> Decision:
+        repairable = all(issue.repairable for issue in issues)
+        exhausted = repairable and proposal.repair_attempt >= contract.max_repair_attempts
+        return Decision(
+            outcome=DecisionOutcome.REJECTED,
+            proposal_id=proposal.proposal_id,
+            tool=contract.name,
+            tool_version=contract.version,
+            input_schema_hash=contract.input_schema_hash,
+            output_schema_hash=contract.output_schema_hash,
+            proposal_hash=hashed,
+            normalized_arguments=normalized,
+            applied_defaults=tuple(applied),
+            risk=risk,
+            risk_reasons=reasons,
+            issues=tuple(issues),
+            repair=self._repair_status(proposal, contract, exhausted=exhausted),
+            category=issues[0].category,
+        )
+
+
+def _rejected(proposal_id: str, tool: str, issues: list[ValidationIssue]) -> Decision:
+    return Decision(
+        outcome=DecisionOutcome.REJECTED,
+        proposal_id=proposal_id,
+        tool=tool,
+        issues=tuple(issues),
+        category=issues[0].category,
+    )
+
+
+def _malformed_envelope(raw: Any, exc: ValidationError) -> Decision:
+    """A proposal whose envelope (not its arguments) is malformed: the host's bug."""
+    issues = [
+        ValidationIssue(
+            stage=CheckStage.PARSE,
+            code="invalid_envelope",
+            message=str(error["msg"]),
+            path="/" + "/".join(str(part) for part in error["loc"]),
+            repairable=False,
+        )
+        for error in exc.errors()[:10]
+    ]
+    proposal_id = raw.get("proposal_id") if isinstance(raw, Mapping) else None
+    tool = raw.get("tool_name") if isinstance(raw, Mapping) else None
+    return _rejected(
+        proposal_id if isinstance(proposal_id, str) else "",
+        tool if isinstance(tool, str) else "",
+        issues,
+    )

@@ -1,0 +1,70 @@
+"""Stage 6, risk: argument-aware, from the trusted contract's rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from policy._check._pointer import MISSING, resolve_pointer
+from policy._contract import RiskCondition, ToolContract
+from policy._ports import Target
+from schemas import RiskLevel, RuntimeContext
+
+__all__ = ["assess_risk"]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _holds(
+    condition: RiskCondition,
+    arguments: Mapping[str, Any],
+    context: RuntimeContext,
+    targets: Mapping[str, Target],
+) -> bool:
+    if condition.environment is not None and condition.environment != context.environment:
+        return False
+    if condition.target_owned_by_other is not None:
+        other = any(t.owner is not None and t.owner != context.principal for t in targets.values())
+        if other != condition.target_owned_by_other:
+            return False
+    if condition.argument is None:
+        return True
+    value = resolve_pointer(arguments, condition.argument)
+    if value is MISSING:
+        return False
+    number = _number(value)
+    comparisons = (
+        (condition.gt, lambda limit: number is not None and number > limit),
+        (condition.gte, lambda limit: number is not None and number >= limit),
+        (condition.lt, lambda limit: number is not None and number < limit),
+    )
+    for limit, test in comparisons:
+        if limit is not None and not test(limit):
+            return False
+    if condition.count_gt is not None:
+        if not isinstance(value, list | str | dict) or len(value) <= condition.count_gt:
+            return False
+    if condition.equals is not None and value != condition.equals:
+        return False
+    return not (condition.one_of is not None and value not in condition.one_of)
+
+
+def assess_risk(
+    contract: ToolContract,
+    arguments: Mapping[str, Any],
+    context: RuntimeContext,
+    targets: Mapping[str, Target],
+) -> tuple[RiskLevel, tuple[str, ...]]:
+    """The highest level among the base and every rule that holds, with the rules' reasons."""
+    level = contract.risk.base
+    reasons: list[str] = []
+    for rule in contract.risk.rules:
+        if _holds(rule.when, arguments, context, targets):
+            reasons.append(rule.reason)
+            if rule.level.rank > level.rank:
+                level = rule.level
+    return level, tuple(reasons)

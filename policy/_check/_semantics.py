@@ -1,0 +1,143 @@
+"""Stage 4, semantics: target resolution and per-tool cross-field rules.
+
+Schema-valid is not executable: an ID can have the right shape and name
+another tenant's document, or a snapshot of a different source. Findings about
+targets never reveal what the caller may not see: a target in another tenant
+is reported exactly like one that does not exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from policy._check._pointer import MISSING, resolve_pointer
+from policy._contract import TargetRule, ToolContract
+from policy._ports import SemanticInput, SemanticRule, Target, TargetResolver
+from schemas import CheckStage, ErrorCategory, RuntimeContext, ValidationIssue
+
+__all__ = ["check_semantics"]
+
+
+def _issue(
+    code: str, path: str, message: str, *, category: ErrorCategory, repairable: bool, **extra: Any
+) -> ValidationIssue:
+    return ValidationIssue(
+        stage=CheckStage.SEMANTICS,
+        code=code,
+        message=message,
+        path=path,
+        repairable=repairable,
+        category=category,
+        **extra,
+    )
+
+
+def _resolve_target(
+    rule: TargetRule,
+    arguments: Mapping[str, Any],
+    context: RuntimeContext,
+    resolver: TargetResolver,
+) -> tuple[Target | None, list[ValidationIssue]]:
+    target_id = resolve_pointer(arguments, rule.argument)
+    if target_id is MISSING or target_id is None:
+        return None, []  # optional argument not given; the schema decides if it is required
+    target = resolver.resolve(rule.kind, str(target_id), context)
+    if target is None or target.tenant != context.tenant:
+        return None, [
+            _issue(
+                "TARGET_NOT_FOUND",
+                rule.argument,
+                f"no {rule.kind} '{target_id}' is visible to this caller",
+                category=ErrorCategory.NOT_FOUND,
+                repairable=True,
+                actual=str(target_id),
+            )
+        ]
+    issues: list[ValidationIssue] = []
+    if rule.must_be_owned_by_actor and target.owner != context.principal:
+        issues.append(
+            _issue(
+                "TARGET_NOT_OWNED",
+                rule.argument,
+                f"{rule.kind} '{target_id}' does not belong to the requesting user",
+                category=ErrorCategory.POLICY_DENIED,
+                repairable=False,
+            )
+        )
+    if rule.same_source_as is not None:
+        expected = resolve_pointer(arguments, rule.same_source_as)
+        if expected is not MISSING and target.source_id != expected:
+            issues.append(
+                _issue(
+                    "SOURCE_MISMATCH",
+                    rule.argument,
+                    f"{rule.kind} '{target_id}' belongs to another source",
+                    category=ErrorCategory.INVALID_INPUT,
+                    repairable=True,
+                    expected=expected,
+                    actual=target.source_id,
+                    details={
+                        "expected_source_id": expected,
+                        "observed_source_id": target.source_id,
+                        "comparison_performed": False,
+                    },
+                )
+            )
+    if rule.expected_version_from is not None:
+        expected_version = resolve_pointer(arguments, rule.expected_version_from)
+        if expected_version is not MISSING and str(expected_version) != str(target.version):
+            issues.append(
+                _issue(
+                    "STALE_TARGET",
+                    rule.expected_version_from,
+                    f"{rule.kind} '{target_id}' has changed since it was read",
+                    category=ErrorCategory.CONFLICT,
+                    repairable=True,
+                    expected=expected_version,
+                    actual=target.version,
+                )
+            )
+    return target, issues
+
+
+def check_semantics(
+    contract: ToolContract,
+    arguments: Mapping[str, Any],
+    context: RuntimeContext,
+    *,
+    resolver: TargetResolver | None,
+    rules: Sequence[SemanticRule],
+    now: datetime,
+) -> tuple[dict[str, Target], list[ValidationIssue]]:
+    """Resolve the contract's targets and run its rules; returns targets and findings."""
+    targets: dict[str, Target] = {}
+    issues: list[ValidationIssue] = []
+    if contract.targets and resolver is None:
+        issues.append(
+            _issue(
+                "RESOLVER_UNAVAILABLE",
+                "",
+                "targets of this tool cannot be checked right now",
+                category=ErrorCategory.TRANSIENT,
+                repairable=False,
+            )
+        )
+        return targets, issues
+    for rule in contract.targets:
+        assert resolver is not None
+        target, found = _resolve_target(rule, arguments, context, resolver)
+        if target is not None:
+            targets[rule.argument] = target
+        issues.extend(found)
+    if issues:
+        # Cross-field rules assume their targets resolved; running them now
+        # would only add noise to the repair feedback.
+        return targets, issues
+    semantic_input = SemanticInput(
+        tool=contract.name, arguments=arguments, context=context, targets=targets, now=now
+    )
+    for rule_fn in rules:
+        issues.extend(rule_fn(semantic_input))
+    return targets, issues

@@ -1,0 +1,270 @@
+"""The tool contract: the twelve fields a trusted registry holds for every tool.
+
+A contract is loaded from an operator-edited file, never from a tool's own
+self-description: risk, limits and approval rules are decided by the host.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas import ErrorCategory, RiskLevel, canonical_json, sha256_hex
+
+__all__ = [
+    "ApprovalMode",
+    "ApprovalPolicy",
+    "ContractError",
+    "EffectClass",
+    "ErrorModelEntry",
+    "Idempotency",
+    "Limits",
+    "RetryPolicy",
+    "RiskCondition",
+    "RiskPolicy",
+    "RiskRule",
+    "TargetRule",
+    "ToolContract",
+    "ToolDescription",
+    "ToolVersion",
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EffectClass(StrEnum):
+    """What running the tool does to the world."""
+
+    PURE_READ = "pure_read"
+    EXTERNAL_READ = "external_read"
+    REVERSIBLE_WRITE = "reversible_write"
+    IRREVERSIBLE_WRITE = "irreversible_write"
+
+    @property
+    def writes(self) -> bool:
+        """Whether the tool changes state outside opledger."""
+        return self in (EffectClass.REVERSIBLE_WRITE, EffectClass.IRREVERSIBLE_WRITE)
+
+
+class ApprovalMode(StrEnum):
+    """When a human must approve a call before it runs."""
+
+    NEVER = "never"
+    ALWAYS = "always"
+    RISK_AT_LEAST = "risk_at_least"
+    TWO_PERSON = "two_person"
+    FORBIDDEN = "forbidden"
+
+
+class ToolDescription(_Frozen):
+    """A decision-oriented description: when to use the tool, when not, and its neighbours."""
+
+    summary: str = Field(min_length=10)
+    use_when: str = Field(min_length=5)
+    avoid_when: str = Field(min_length=5)
+    differs_from: dict[str, str] = Field(
+        default_factory=dict, description="Neighbouring tool name → how this one differs."
+    )
+    limitations: str = ""
+
+    def render(self) -> str:
+        """The description as one text, for model-facing tool definitions."""
+        parts = [self.summary, f"Use when: {self.use_when}", f"Do not use when: {self.avoid_when}"]
+        parts += [f"Unlike {name}: {text}" for name, text in sorted(self.differs_from.items())]
+        if self.limitations:
+            parts.append(f"Limitations: {self.limitations}")
+        return "\n".join(parts)
+
+
+class ErrorModelEntry(_Frozen):
+    """One error a tool may return, and how callers should treat it."""
+
+    code: str = Field(pattern=r"^[A-Z][A-Z0-9_]*$")
+    category: ErrorCategory
+    description: str = ""
+
+
+class ApprovalPolicy(_Frozen):
+    """Who must approve which calls, and for how long an approval stays valid."""
+
+    mode: ApprovalMode = ApprovalMode.NEVER
+    risk_threshold: RiskLevel | None = Field(
+        default=None, description="With mode risk_at_least: the lowest risk that needs approval."
+    )
+    approver_roles: tuple[str, ...] = ("approver",)
+    separation_of_duties: bool = Field(
+        default=True, description="The requester may not approve their own call."
+    )
+    expires_after_s: int = Field(default=900, gt=0)
+
+    @model_validator(mode="after")
+    def _threshold_matches_mode(self) -> ApprovalPolicy:
+        if (self.mode is ApprovalMode.RISK_AT_LEAST) != (self.risk_threshold is not None):
+            raise ValueError("risk_threshold is required with mode risk_at_least, and only then")
+        return self
+
+    @property
+    def required_approvals(self) -> int:
+        """How many distinct approvers a call needs."""
+        return 2 if self.mode is ApprovalMode.TWO_PERSON else 1
+
+
+class RetryPolicy(_Frozen):
+    """How often and how soon a failed attempt is retried, and for which categories."""
+
+    max_attempts: int = Field(default=1, ge=1, le=20)
+    initial_backoff_ms: int = Field(default=200, ge=0)
+    backoff_multiplier: float = Field(default=2.0, ge=1.0)
+    max_backoff_ms: int = Field(default=10_000, ge=0)
+    retry_on: frozenset[ErrorCategory] = frozenset({ErrorCategory.TRANSIENT})
+
+    def backoff_ms(self, attempt: int) -> int:
+        """Delay before attempt number `attempt + 1`, after `attempt` has failed."""
+        delay = self.initial_backoff_ms * self.backoff_multiplier ** max(attempt - 1, 0)
+        return int(min(delay, self.max_backoff_ms))
+
+
+class Idempotency(_Frozen):
+    """Whether the tool must deduplicate by key. The key is always the operation ID."""
+
+    required: bool = True
+    key: Literal["operation_id"] = "operation_id"
+
+
+class Limits(_Frozen):
+    """Budgets enforced before a call runs, per actor and tool."""
+
+    max_per_hour: int | None = Field(default=None, ge=1)
+    max_per_minute: int | None = Field(default=None, ge=1)
+
+
+class RiskCondition(_Frozen):
+    """A predicate over the arguments or the context. All given fields must hold.
+
+    `argument` is a JSON pointer into the normalized arguments. Comparisons
+    apply to the value there; `count_*` to the length of an array or string.
+    """
+
+    argument: str | None = Field(default=None, pattern=r"^(/[^/]*)*$")
+    gt: float | None = None
+    gte: float | None = None
+    lt: float | None = None
+    equals: Any = None
+    one_of: tuple[Any, ...] | None = None
+    count_gt: int | None = None
+    environment: str | None = None
+    target_owned_by_other: bool | None = Field(
+        default=None, description="A resolved target belongs to another principal."
+    )
+
+
+class RiskRule(_Frozen):
+    """Raise the risk to `level` when `when` holds."""
+
+    when: RiskCondition
+    level: RiskLevel
+    reason: str = Field(min_length=3)
+
+
+class RiskPolicy(_Frozen):
+    """A base risk for the tool plus argument-aware escalations."""
+
+    base: RiskLevel
+    rules: tuple[RiskRule, ...] = ()
+
+
+class TargetRule(_Frozen):
+    """An argument that names a resource, checked through the host's resolver.
+
+    The target must exist and be visible in the caller's tenant. With
+    `same_source_as`, its source must equal the value of that other argument;
+    with `expected_version_from`, its version must equal that argument.
+    """
+
+    argument: str = Field(pattern=r"^(/[^/]+)+$")
+    kind: str = Field(min_length=1)
+    same_source_as: str | None = Field(default=None, pattern=r"^(/[^/]+)+$")
+    expected_version_from: str | None = Field(default=None, pattern=r"^(/[^/]+)+$")
+    must_be_owned_by_actor: bool = False
+
+
+class ToolVersion(_Frozen):
+    """The version record: a changed schema is a changed version."""
+
+    name: str
+    version: str
+    input_schema_hash: str
+    output_schema_hash: str
+
+
+class ContractError(ValueError):
+    """A contract file is invalid. `source` and `pointer` say where."""
+
+    def __init__(self, message: str, *, source: str = "", pointer: str = "") -> None:
+        self.source = source
+        self.pointer = pointer
+        where = ":".join(part for part in (source, pointer) if part)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class ToolContract(_Frozen):
+    """All twelve fields of a tool contract, plus the host's policy knobs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{1,63}$", description="Stable verb_object name.")
+    version: str = Field(pattern=r"^\d+\.\d+\.\d+$")
+    description: ToolDescription
+    input_schema: dict[str, Any]
+    output_schema: dict[str, Any]
+    errors: tuple[ErrorModelEntry, ...] = ()
+    effect: EffectClass
+    required_capabilities: frozenset[str] = frozenset()
+    approval: ApprovalPolicy = ApprovalPolicy()
+    timeout_ms: int = Field(gt=0, le=3_600_000)
+    retry: RetryPolicy = RetryPolicy()
+    idempotency: Idempotency = Idempotency()
+    risk: RiskPolicy
+    limits: Limits = Limits()
+    targets: tuple[TargetRule, ...] = ()
+    sensitive_arguments: tuple[str, ...] = Field(
+        default=(), description="JSON pointers whose values are never exported in clear."
+    )
+    max_repair_attempts: int = Field(default=2, ge=0, le=10)
+
+    @cached_property
+    def input_schema_hash(self) -> str:
+        """SHA-256 of the canonical input schema."""
+        return sha256_hex(canonical_json(self.input_schema))
+
+    @cached_property
+    def output_schema_hash(self) -> str:
+        """SHA-256 of the canonical output schema."""
+        return sha256_hex(canonical_json(self.output_schema))
+
+    @property
+    def version_record(self) -> ToolVersion:
+        """Name, version and schema hashes: what the ledger records with a proposal."""
+        return ToolVersion(
+            name=self.name,
+            version=self.version,
+            input_schema_hash=self.input_schema_hash,
+            output_schema_hash=self.output_schema_hash,
+        )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(name, version): unique within a registry."""
+        return (self.name, self.version)
+
+    def error_category(self, code: str) -> ErrorCategory | None:
+        """The category the error model assigns to `code`, if declared."""
+        for entry in self.errors:
+            if entry.code == code:
+                return entry.category
+        return None

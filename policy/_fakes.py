@@ -1,0 +1,47 @@
+"""In-memory adapters of the check's ports, for tests, demos and the embedded default."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import datetime
+
+from policy._ports import Target
+from schemas import RuntimeContext
+
+__all__ = ["InMemoryBudgetCounter", "InMemoryTargetResolver"]
+
+
+class InMemoryTargetResolver:
+    """Resolves targets from a fixed set, scoped to the caller's tenant like a real store."""
+
+    def __init__(self, targets: Iterable[Target] = ()) -> None:
+        self._targets = {(t.kind, t.id): t for t in targets}
+
+    def add(self, target: Target) -> None:
+        """Make `target` resolvable."""
+        self._targets[(target.kind, target.id)] = target
+
+    def resolve(self, kind: str, target_id: str, context: RuntimeContext) -> Target | None:
+        """The target, whatever its tenant: the check decides visibility."""
+        del context  # a real resolver may use it to scope the query
+        return self._targets.get((kind, target_id))
+
+
+class InMemoryBudgetCounter:
+    """Counts recorded operations in memory; the ledger provides the durable one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: dict[tuple[str, str, str], list[datetime]] = defaultdict(list)
+
+    def record(self, *, tenant: str, actor: str, tool: str, at: datetime) -> None:
+        """Note one operation."""
+        with self._lock:
+            self._events[(tenant, actor, tool)].append(at)
+
+    def count(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
+        """Operations recorded at or after `since`."""
+        with self._lock:
+            return sum(1 for at in self._events[(tenant, actor, tool)] if at >= since)

@@ -1,0 +1,62 @@
+"""What the check needs from the outside world, as small protocols the host supplies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from schemas import RuntimeContext, ValidationIssue
+
+__all__ = [
+    "BudgetCounter",
+    "SemanticInput",
+    "SemanticRule",
+    "Target",
+    "TargetResolver",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A resource an argument names, as the host's own systems see it."""
+
+    kind: str
+    id: str
+    tenant: str
+    owner: str | None = None
+    source_id: str | None = None
+    version: str | None = None
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+
+
+class TargetResolver(Protocol):
+    """Looks a target up in the host's systems. Returns None when it does not exist."""
+
+    def resolve(self, kind: str, target_id: str, context: RuntimeContext) -> Target | None:
+        """The target of `kind` with `target_id`, or None."""
+        ...
+
+
+class BudgetCounter(Protocol):
+    """Counts operations already proposed, for rate limits that hold across restarts."""
+
+    def count(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
+        """How many operations `actor` in `tenant` proposed for `tool` since `since`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SemanticInput:
+    """What a per-tool semantic rule sees: normalized arguments, context, resolved targets."""
+
+    tool: str
+    arguments: Mapping[str, Any]
+    context: RuntimeContext
+    targets: Mapping[str, Target]
+    now: datetime
+
+
+SemanticRule = Callable[[SemanticInput], Iterable[ValidationIssue]]
+"""A cross-field rule of one tool: returns the issues it finds (none when satisfied)."""

@@ -1,0 +1,131 @@
+"""What opledger answers: the decision on a proposal, with repair feedback."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field
+
+from schemas._base import WireModel
+from schemas._errors import ErrorCategory
+
+__all__ = [
+    "ApprovalRequirement",
+    "CheckStage",
+    "Decision",
+    "DecisionOutcome",
+    "RepairStatus",
+    "RiskLevel",
+    "ValidationIssue",
+]
+
+
+class RiskLevel(StrEnum):
+    """Argument-aware risk of a call, ordered from low to critical."""
+
+    LOW = "low"
+    MODERATE = "moderate"
+    HIGH = "high"
+    CRITICAL = "critical"
+
+    @property
+    def rank(self) -> int:
+        """Position in the order low < moderate < high < critical."""
+        return _RISK_ORDER.index(self)
+
+    def at_least(self, other: RiskLevel) -> bool:
+        """Whether this level is `other` or above."""
+        return self.rank >= other.rank
+
+
+_RISK_ORDER = [RiskLevel.LOW, RiskLevel.MODERATE, RiskLevel.HIGH, RiskLevel.CRITICAL]
+
+
+class CheckStage(StrEnum):
+    """The layers of the proposal check, in the order they run."""
+
+    PARSE = "parse"
+    TOOL = "tool"
+    STRUCTURE = "structure"
+    SEMANTICS = "semantics"
+    AUTHORIZATION = "authorization"
+    RISK = "risk"
+    APPROVAL = "approval"
+    BUDGET = "budget"
+
+
+class DecisionOutcome(StrEnum):
+    """The three answers to a proposal."""
+
+    READY = "ready"
+    NEEDS_APPROVAL = "needs_approval"
+    REJECTED = "rejected"
+
+
+class ValidationIssue(WireModel):
+    """One finding about a proposal, shaped so a model can repair it.
+
+    `path` is a JSON pointer into the arguments. `expected` and `actual` are
+    safe to show: they never include values of resources the caller cannot see.
+    """
+
+    stage: CheckStage
+    code: str
+    message: str
+    path: str = ""
+    keyword: str | None = None
+    expected: Any = None
+    actual: Any = None
+    repairable: bool
+    category: ErrorCategory = ErrorCategory.INVALID_INPUT
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class ApprovalRequirement(WireModel):
+    """Who must approve, how many of them, and why."""
+
+    approver_roles: tuple[str, ...]
+    required_approvals: int = Field(ge=1)
+    separation_of_duties: bool
+    expires_in_s: int = Field(gt=0)
+    reason: str
+
+
+class RepairStatus(WireModel):
+    """Where this call stands in its bounded repair loop."""
+
+    attempt: int = Field(ge=0)
+    max_attempts: int = Field(ge=0)
+    exhausted: bool
+
+
+class Decision(WireModel):
+    """The answer to one proposal: ready, needs approval, or rejected."""
+
+    outcome: DecisionOutcome
+    proposal_id: str
+    tool: str
+    tool_version: str | None = None
+    input_schema_hash: str | None = None
+    output_schema_hash: str | None = None
+    proposal_hash: str | None = None
+    normalized_arguments: dict[str, Any] | None = None
+    applied_defaults: tuple[str, ...] = ()
+    risk: RiskLevel | None = None
+    risk_reasons: tuple[str, ...] = ()
+    issues: tuple[ValidationIssue, ...] = ()
+    approval: ApprovalRequirement | None = None
+    repair: RepairStatus | None = None
+    category: ErrorCategory | None = Field(
+        default=None, description="For a rejection: the category of its first issue."
+    )
+
+    @property
+    def repairable(self) -> bool:
+        """Whether asking the model to repair the call could lead to a different answer."""
+        if self.outcome is not DecisionOutcome.REJECTED or not self.issues:
+            return False
+        if self.repair is not None and self.repair.exhausted:
+            return False
+        return all(issue.repairable for issue in self.issues)

@@ -1,0 +1,59 @@
+"""What an agent host sends: the model's proposal and the trusted runtime context."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import Field
+
+from schemas._base import WireModel
+
+__all__ = ["RuntimeContext", "ToolProposal"]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class ToolProposal(WireModel):
+    """A tool call a model proposed. Nothing has been checked or run yet.
+
+    `arguments` is what the model produced: an object, or the raw JSON string
+    most model APIs return. Parsing it is the check's first stage.
+    """
+
+    proposal_id: str = Field(min_length=1, max_length=128)
+    conversation_id: str = Field(min_length=1, max_length=128)
+    requested_by_user_id: str = Field(min_length=1, max_length=128)
+    tool_name: str = Field(min_length=1, max_length=128)
+    arguments: Any = Field(
+        description="The model's arguments: a JSON object, or the JSON text of one."
+    )
+    prompt_release: str = Field(default="unknown", max_length=128)
+    model_snapshot: str = Field(default="unknown", max_length=128)
+    created_at: datetime = Field(default_factory=_now)
+    operation_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="Idempotency key chosen by the host; minted by opledger when absent.",
+    )
+    repair_attempt: int = Field(
+        default=0,
+        ge=0,
+        description="How many repairs of this call the host has already asked the model for.",
+    )
+
+
+class RuntimeContext(WireModel):
+    """Who is asking, established by the host's authentication, never by the model.
+
+    Authorization reads only this; a model cannot widen it by writing
+    `tenant_id` or `is_admin` into its arguments.
+    """
+
+    principal: str = Field(min_length=1, max_length=128)
+    tenant: str = Field(min_length=1, max_length=128)
+    capabilities: frozenset[str] = frozenset()
+    environment: str = Field(default="development", max_length=64)

@@ -1,0 +1,42 @@
+"""The result envelope an executor publishes for one attempt of an operation."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import Field
+
+from schemas._base import WireModel
+from schemas._errors import ErrorInfo
+
+__all__ = ["Provenance", "ResultEnvelope"]
+
+
+class Provenance(WireModel):
+    """Where a result came from. Results are data, never instructions."""
+
+    tool: str
+    tool_version: str
+    executor: str
+    attempt: int = Field(ge=1)
+    latency_ms: float = Field(ge=0)
+    completed_at: datetime
+    trust: str = Field(default="untrusted", description="Always untrusted: tool output is data.")
+
+
+class ResultEnvelope(WireModel):
+    """One attempt's outcome: `data` when ok, `error` otherwise."""
+
+    operation_id: str
+    fencing_token: int = Field(ge=1)
+    ok: bool
+    data: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    outcome_unknown: bool = Field(
+        default=False, description="The side effect may or may not have happened."
+    )
+    provenance: Provenance
+    redactions: tuple[str, ...] = Field(
+        default=(), description="JSON pointers of fields that were redacted or truncated."
+    )
