@@ -29,6 +29,16 @@ from policy._contract import (
     ToolDescription,
     ToolVersion,
 )
+from policy._export import (
+    StrictModeProblem,
+    StrictModeReport,
+    ToolFormat,
+    export_tool,
+    openai_strict_report,
+    to_anthropic_tool,
+    to_mcp_tool,
+    to_openai_tool,
+)
 from policy._fakes import InMemoryBudgetCounter, InMemoryTargetResolver
 from policy._ports import BudgetCounter, SemanticInput, SemanticRule, Target, TargetResolver
 from policy._registry import ContractRegistry, ToolCatalog, json_pointer, parse_contract
@@ -53,12 +63,21 @@ __all__ = [
     "RiskRule",
     "SemanticInput",
     "SemanticRule",
+    "StrictModeProblem",
+    "StrictModeReport",
     "Target",
     "TargetResolver",
+    "TargetRule",
     "ToolCatalog",
     "ToolContract",
     "ToolDescription",
+    "ToolFormat",
     "ToolVersion",
+    "export_tool",
     "json_pointer",
+    "openai_strict_report",
     "parse_contract",
+    "to_anthropic_tool",
+    "to_mcp_tool",
+    "to_openai_tool",
 ]

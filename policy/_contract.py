@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas import ErrorCategory, RiskLevel, canonical_json, sha256_hex
+from schemas import ErrorCategory, OpledgerError, RiskLevel, canonical_json, sha256_hex
 
 __all__ = [
     "ApprovalMode",
@@ -202,14 +202,17 @@ class ToolVersion(_Frozen):
     output_schema_hash: str
 
 
-class ContractError(ValueError):
+class ContractError(OpledgerError, ValueError):
     """A contract file is invalid. `source` and `pointer` say where."""
+
+    category = ErrorCategory.INVALID_INPUT
+    code = "INVALID_CONTRACT"
 
     def __init__(self, message: str, *, source: str = "", pointer: str = "") -> None:
         self.source = source
         self.pointer = pointer
         where = ":".join(part for part in (source, pointer) if part)
-        super().__init__(f"{where}: {message}" if where else message)
+        super().__init__(f"{where}: {message}" if where else message, pointer=pointer)
 
 
 class ToolContract(_Frozen):

@@ -16,6 +16,7 @@ from schemas._decision import (
     ValidationIssue,
 )
 from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
+from schemas._exceptions import OpledgerError
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._publish import SCHEMA_DIR, WIRE_MODELS, render_schema, write_schemas
 from schemas._result import Provenance, ResultEnvelope
@@ -31,6 +32,7 @@ __all__ = [
     "ErrorCategory",
     "ErrorEnvelope",
     "ErrorInfo",
+    "OpledgerError",
     "Provenance",
     "RepairStatus",
     "ResultEnvelope",

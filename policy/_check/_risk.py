@@ -37,17 +37,16 @@ def _holds(
     if value is MISSING:
         return False
     number = _number(value)
-    comparisons = (
-        (condition.gt, lambda limit: number is not None and number > limit),
-        (condition.gte, lambda limit: number is not None and number >= limit),
-        (condition.lt, lambda limit: number is not None and number < limit),
-    )
-    for limit, test in comparisons:
-        if limit is not None and not test(limit):
-            return False
-    if condition.count_gt is not None:
-        if not isinstance(value, list | str | dict) or len(value) <= condition.count_gt:
-            return False
+    if condition.gt is not None and (number is None or not number > condition.gt):
+        return False
+    if condition.gte is not None and (number is None or not number >= condition.gte):
+        return False
+    if condition.lt is not None and (number is None or not number < condition.lt):
+        return False
+    if condition.count_gt is not None and (
+        not isinstance(value, list | str | dict) or len(value) <= condition.count_gt
+    ):
+        return False
     if condition.equals is not None and value != condition.equals:
         return False
     return not (condition.one_of is not None and value not in condition.one_of)

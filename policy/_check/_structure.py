@@ -9,6 +9,7 @@ and actual. Neither coerces types: "10" is not 10.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,14 +140,14 @@ class CompiledSchema:
                 yield from self._explain(best)
                 return
             return
-        path = list(error.absolute_path)
+        path: list[object] = list(error.absolute_path)
         code = _CODES.get(keyword, "invalid")
         expected: Any = error.validator_value
         actual: Any = _safe_actual(error.instance)
         message = error.message if len(error.message) <= 200 else error.message[:200] + "…"
         if keyword == "required":
             present = error.instance if isinstance(error.instance, dict) else {}
-            for name in error.validator_value:
+            for name in expected:
                 if name not in present:
                     yield self._issue(
                         "missing",
@@ -158,10 +159,12 @@ class CompiledSchema:
                     )
             return
         if keyword in ("additionalProperties", "unevaluatedProperties"):
-            allowed = set((error.schema or {}).get("properties", {}))
+            schema = error.schema if isinstance(error.schema, dict) else {}
+            allowed = set(schema.get("properties", {}))
+            patterns = [re.compile(p) for p in schema.get("patternProperties", {})]
             present = error.instance if isinstance(error.instance, dict) else {}
             for name in present:
-                if name not in allowed:
+                if name not in allowed and not any(p.search(name) for p in patterns):
                     yield self._issue(
                         "extra",
                         [*path, name],

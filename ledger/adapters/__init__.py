@@ -1,0 +1,1 @@
+"""Adapters: the event store, SQL read models and other infrastructure."""

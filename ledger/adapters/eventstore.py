@@ -1,0 +1,74 @@
+"""The `eventsourcing` application that stores operations, with pydantic events as JSON."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import orjson
+from eventsourcing.application import Application
+from eventsourcing.domain import DomainEventProtocol
+from eventsourcing.persistence import Mapper, StoredEvent, Transcoder, Transcoding
+from eventsourcing.utils import get_topic, resolve_topic
+from pydantic import BaseModel
+
+from ledger.adapters.storage import StorageConfig
+
+__all__ = ["EventStoreApp", "OrjsonTranscoder", "PydanticMapper"]
+
+
+class PydanticMapper(Mapper[str]):
+    """Stores an event as its complete JSON-mode pydantic dump.
+
+    The stored state is byte-for-byte what `ledger.domain.events.event_hash`
+    hashes (after decoding), so auditors can verify rows without the classes.
+    """
+
+    def to_stored_event(self, domain_event: DomainEventProtocol[str]) -> StoredEvent:
+        """Encode one event."""
+        state = cast(BaseModel, domain_event).model_dump(mode="json")
+        return StoredEvent(
+            originator_id=domain_event.originator_id,
+            originator_version=domain_event.originator_version,
+            topic=get_topic(type(domain_event)),
+            state=self.transcoder.encode(state),
+        )
+
+    def to_domain_event(self, stored_event: StoredEvent) -> DomainEventProtocol[str]:
+        """Decode one event, restoring its types through pydantic."""
+        cls = resolve_topic(stored_event.topic)
+        state = self.transcoder.decode(stored_event.state)
+        return cast(DomainEventProtocol[str], cls.model_validate(state))
+
+
+class OrjsonTranscoder(Transcoder):
+    """JSON by orjson; pydantic does all type conversion, so no transcodings."""
+
+    def encode(self, obj: Any) -> bytes:
+        """Encode JSON-mode data."""
+        return orjson.dumps(obj)
+
+    def decode(self, data: bytes) -> Any:
+        """Decode to JSON-mode data."""
+        return orjson.loads(data)
+
+    def register(self, transcoding: Transcoding) -> None:
+        """Transcodings are not used: pydantic models carry their own types."""
+        raise NotImplementedError("use pydantic models instead of transcodings")
+
+
+class EventStoreApp(Application[str]):
+    """The event-sourced store of operations. Table names start with `opledger`."""
+
+    name = "opledger"
+
+    def __init__(self, storage: StorageConfig) -> None:
+        self.storage = storage
+        super().__init__(env=storage.eventsourcing_env())
+
+    def construct_mapper(self) -> Mapper[str]:
+        """Pydantic events as JSON."""
+        return PydanticMapper(transcoder=self.construct_transcoder())
+
+    def construct_transcoder(self) -> Transcoder:
+        """orjson."""
+        return OrjsonTranscoder()

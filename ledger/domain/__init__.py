@@ -1,0 +1,1 @@
+"""The ledger's domain model: the Operation aggregate, its states, events and errors."""

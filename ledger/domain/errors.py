@@ -1,0 +1,53 @@
+"""Domain errors of the ledger. Raising one means nothing was appended."""
+
+from __future__ import annotations
+
+from schemas import ErrorCategory, OpledgerError
+
+__all__ = [
+    "ApprovalRefused",
+    "IllegalTransition",
+    "LedgerError",
+    "OperationConflict",
+    "OperationNotFound",
+    "TamperDetected",
+]
+
+
+class LedgerError(OpledgerError):
+    """Base of the ledger's errors."""
+
+
+class IllegalTransition(LedgerError):
+    """The command is not allowed in the operation's current state."""
+
+    category = ErrorCategory.CONFLICT
+    code = "ILLEGAL_TRANSITION"
+
+
+class OperationConflict(LedgerError):
+    """The operation ID is taken by a different call, or another writer won the race."""
+
+    category = ErrorCategory.CONFLICT
+    code = "OPERATION_CONFLICT"
+
+
+class OperationNotFound(LedgerError):
+    """No operation has this ID."""
+
+    category = ErrorCategory.NOT_FOUND
+    code = "OPERATION_NOT_FOUND"
+
+
+class ApprovalRefused(LedgerError):
+    """An approval was refused; the refusal itself was recorded in the ledger."""
+
+    category = ErrorCategory.POLICY_DENIED
+    code = "APPROVAL_REFUSED"
+
+
+class TamperDetected(LedgerError):
+    """Stored events do not match their hash chain."""
+
+    category = ErrorCategory.INTERNAL
+    code = "TAMPER_DETECTED"

@@ -1,0 +1,847 @@
+"""The Operation aggregate: one proposed tool call and everything that happened to it.
+
+Commands are imperative methods that check invariants first and only then
+trigger an event; an illegal command raises `IllegalTransition` and appends
+nothing. Events are past-tense classes nested in the aggregate; their `apply`
+methods are the only code that changes state, so replaying the history always
+rebuilds the same operation. Every event carries the hash of the previous one
+(`prev_hash`), and replay checks that chain.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+from eventsourcing.domain import BaseAggregate
+from pydantic import Field
+
+from ledger.domain.errors import IllegalTransition, TamperDetected
+from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, event_hash
+from ledger.domain.hashing import GENESIS_HASH
+from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
+
+__all__ = ["ALLOWED", "Operation", "Refusal"]
+
+S = OperationState
+Outcome = Literal["succeeded", "failed", "unknown"]
+
+
+class Refusal(str):
+    """The reason an approval was refused (also recorded as an event)."""
+
+
+# Which states each command may start from. The aggregate enforces it and the
+# table-driven test walks every (state, command) pair against it.
+ALLOWED: dict[str, frozenset[OperationState]] = {
+    "validate": frozenset({S.PROPOSED}),
+    "reject": frozenset({S.PROPOSED}),
+    "request_approval": frozenset({S.VALIDATED}),
+    "mark_ready": frozenset({S.VALIDATED}),
+    "grant_approval": frozenset(
+        {S.AWAITING_APPROVAL, S.READY, S.EXECUTING, S.CANCEL_REQUESTED, S.SUCCEEDED,
+         S.FAILED, S.OUTCOME_UNKNOWN, S.RECONCILING}
+    ),
+    "deny_approval": frozenset({S.AWAITING_APPROVAL}),
+    "expire_approval": frozenset({S.AWAITING_APPROVAL}),
+    "claim_lease": frozenset({S.READY}),
+    "expire_lease": frozenset({S.EXECUTING, S.CANCEL_REQUESTED}),
+    "record_result": frozenset(
+        {S.READY, S.EXECUTING, S.CANCEL_REQUESTED, S.OUTCOME_UNKNOWN, S.RECONCILING,
+         S.SUCCEEDED, S.FAILED, S.CANCELLED}
+    ),
+    "start_reconciliation": frozenset({S.OUTCOME_UNKNOWN}),
+    "reconcile": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING}),
+    "schedule_retry": frozenset({S.FAILED}),
+    "request_cancel": frozenset(
+        {S.PROPOSED, S.VALIDATED, S.AWAITING_APPROVAL, S.READY, S.EXECUTING,
+         S.CANCEL_REQUESTED, S.SUCCEEDED, S.FAILED, S.CANCELLED}
+    ),
+    "confirm_cancelled": frozenset({S.CANCEL_REQUESTED}),
+}
+
+
+class Operation(BaseAggregate[str]):
+    """A tool operation, keyed by its operation ID (the idempotency key end to end)."""
+
+    # ------------------------------------------------------------------ events
+
+    class Event(LedgerEvent):
+        """Base of the operation's events: keeps the hash chain as they apply."""
+
+        def apply(self, aggregate: Any) -> None:
+            if self.prev_hash != aggregate.head_hash:
+                raise TamperDetected(
+                    "event does not follow its predecessor",
+                    operation_id=self.originator_id,
+                    version=self.originator_version,
+                )
+            self.apply_to(aggregate)
+            aggregate.head_hash = event_hash(self)
+
+        def apply_to(self, aggregate: Any) -> None:
+            """Change the aggregate's state; overridden by each event."""
+
+    class Proposed(Event, LedgerCreatedEvent):
+        """A host proposed a tool call. Nothing has been checked yet."""
+
+        proposal: dict[str, Any]
+        fingerprint: str
+        actor: str
+        tenant: str
+        environment: str
+        tool: str
+
+        def apply(self, aggregate: Any) -> None:
+            aggregate.head_hash = GENESIS_HASH
+            super().apply(aggregate)
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.PROPOSED
+            aggregate.proposal = self.proposal
+            aggregate.fingerprint = self.fingerprint
+            aggregate.actor = self.actor
+            aggregate.tenant = self.tenant
+            aggregate.environment = self.environment
+            aggregate.tool = self.tool
+            aggregate.tool_version = None
+            aggregate.input_schema_hash = None
+            aggregate.output_schema_hash = None
+            aggregate.proposal_hash = None
+            aggregate.arguments = None
+            aggregate.risk = None
+            aggregate.max_attempts = 1
+            aggregate.retry_on = []
+            aggregate.issues = []
+            aggregate.approval = None
+            aggregate.approvers = []
+            aggregate.approval_consumed = False
+            aggregate.attempt = 0
+            aggregate.fencing_token = 0
+            aggregate.lease = None
+            aggregate.leases = []
+            aggregate.outcome = None
+            aggregate.cancel_requested = False
+
+    class Validated(Event):
+        """The layered check passed: the call is well-formed, allowed, and its risk known."""
+
+        tool_version: str
+        input_schema_hash: str
+        output_schema_hash: str
+        proposal_hash: str
+        arguments: dict[str, Any]
+        applied_defaults: list[str]
+        risk: str
+        risk_reasons: list[str]
+        max_attempts: int
+        retry_on: list[str]
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.VALIDATED
+            aggregate.tool_version = self.tool_version
+            aggregate.input_schema_hash = self.input_schema_hash
+            aggregate.output_schema_hash = self.output_schema_hash
+            aggregate.proposal_hash = self.proposal_hash
+            aggregate.arguments = self.arguments
+            aggregate.risk = self.risk
+            aggregate.max_attempts = self.max_attempts
+            aggregate.retry_on = self.retry_on
+
+    class Rejected(Event):
+        """The layered check refused the call."""
+
+        reason_codes: list[str]
+        category: str
+        repairable: bool
+        issues: list[dict[str, Any]]
+        tool_version: str | None = None
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.REJECTED
+            aggregate.issues = self.issues
+            aggregate.tool_version = self.tool_version
+            aggregate.outcome = {"status": "rejected", "category": self.category}
+
+    class ApprovalRequested(Event):
+        """A human must approve this exact call before it can run."""
+
+        approval_id: str
+        effect_preview: dict[str, Any]
+        approver_roles: list[str]
+        required_approvals: int
+        separation_of_duties: bool
+        expires_at: datetime
+        reason: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.AWAITING_APPROVAL
+            aggregate.approval = {
+                "approval_id": self.approval_id,
+                "effect_preview": self.effect_preview,
+                "approver_roles": self.approver_roles,
+                "required_approvals": self.required_approvals,
+                "separation_of_duties": self.separation_of_duties,
+                "expires_at": self.expires_at,
+                "reason": self.reason,
+            }
+
+    class ApprovalGranted(Event):
+        """One approver approved the call bound to `proposal_hash`."""
+
+        approval_id: str
+        approver: str
+        proposal_hash: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.approvers = [*aggregate.approvers, self.approver]
+
+    class ApprovalRefused(Event):
+        """An approval attempt was refused; recorded so auditors see every attempt."""
+
+        approval_id: str
+        approver: str
+        proposal_hash: str
+        reason: str
+
+    class ApprovalDenied(Event):
+        """An approver denied the call."""
+
+        approval_id: str
+        approver: str
+        reason: str = ""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.APPROVAL_DENIED
+            aggregate.outcome = {"status": "approval_denied", "by": self.approver}
+
+    class ApprovalExpired(Event):
+        """Nobody approved in time."""
+
+        approval_id: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.APPROVAL_EXPIRED
+            aggregate.outcome = {"status": "approval_expired"}
+
+    class Readied(Event):
+        """The call may run: auto-approved, or its approvals are complete."""
+
+        approval_id: str | None = None
+        approvers: list[str] = Field(default_factory=list)
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.READY
+            if self.approval_id is not None:
+                aggregate.approval_consumed = True
+
+    class LeaseClaimed(Event):
+        """An executor holds the operation. Only results with this fencing token count."""
+
+        executor: str
+        fencing_token: int
+        attempt: int
+        lease_expires_at: datetime
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.EXECUTING
+            aggregate.attempt = self.attempt
+            aggregate.fencing_token = self.fencing_token
+            aggregate.lease = {
+                "executor": self.executor,
+                "fencing_token": self.fencing_token,
+                "attempt": self.attempt,
+                "expires_at": self.lease_expires_at,
+            }
+            aggregate.leases = [*aggregate.leases, aggregate.lease]
+
+    class LeaseExpired(Event):
+        """The executor did not report in time; the side effect may have happened."""
+
+        fencing_token: int
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.OUTCOME_UNKNOWN
+            aggregate.lease = None
+
+    class Succeeded(Event):
+        """The tool reported success with a result that passed its output contract."""
+
+        fencing_token: int
+        attempt: int
+        executor: str
+        output_hash: str
+        result_ref: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.SUCCEEDED
+            aggregate.lease = None
+            aggregate.outcome = {
+                "status": "succeeded",
+                "output_hash": self.output_hash,
+                "result_ref": self.result_ref,
+                "attempt": self.attempt,
+            }
+
+    class Failed(Event):
+        """The tool reported a failure (or its result broke the output contract)."""
+
+        fencing_token: int
+        attempt: int
+        executor: str
+        code: str
+        category: str
+        retryable: bool
+        result_ref: str = ""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.FAILED
+            aggregate.lease = None
+            aggregate.outcome = {
+                "status": "failed",
+                "code": self.code,
+                "category": self.category,
+                "retryable": self.retryable,
+                "attempt": self.attempt,
+            }
+
+    class OutcomeUnknown(Event):
+        """The executor cannot tell whether the side effect happened."""
+
+        fencing_token: int
+        attempt: int
+        executor: str
+        reason: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.OUTCOME_UNKNOWN
+            aggregate.lease = None
+
+    class ReconciliationStarted(Event):
+        """Someone is looking the outcome up at the provider."""
+
+        by: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.RECONCILING
+
+    class Reconciled(Event):
+        """The outcome was established after the fact."""
+
+        outcome: str
+        by: str
+        output_hash: str = ""
+        result_ref: str = ""
+        code: str = ""
+        category: str = ""
+        retryable: bool = False
+
+        def apply_to(self, aggregate: Any) -> None:
+            if self.outcome == "succeeded":
+                aggregate.state = S.SUCCEEDED
+                aggregate.outcome = {
+                    "status": "succeeded",
+                    "output_hash": self.output_hash,
+                    "result_ref": self.result_ref,
+                    "attempt": aggregate.attempt,
+                    "reconciled": True,
+                }
+            else:
+                aggregate.state = S.FAILED
+                aggregate.outcome = {
+                    "status": "failed",
+                    "code": self.code,
+                    "category": self.category,
+                    "retryable": self.retryable,
+                    "attempt": aggregate.attempt,
+                    "reconciled": True,
+                }
+
+    class RetryScheduled(Event):
+        """A failed attempt will be retried; the operation is ready again."""
+
+        after_attempt: int
+        not_before: datetime
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.READY
+            aggregate.outcome = None
+
+    class StaleResultRecorded(Event):
+        """A result arrived with an old fencing token; it changes nothing."""
+
+        fencing_token: int
+        current_token: int
+        executor: str
+        outcome: str
+
+    class ConflictingOutcomeRecorded(Event):
+        """A different outcome arrived for a finished operation; the outcome stands."""
+
+        fencing_token: int
+        executor: str
+        outcome: str
+        output_hash: str = ""
+
+    class CancelRequested(Event):
+        """Someone asked to cancel the operation."""
+
+        by: str
+        reason: str = ""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.cancel_requested = True
+            if aggregate.state in (S.EXECUTING,):
+                aggregate.state = S.CANCEL_REQUESTED
+
+    class Cancelled(Event):
+        """The operation will never run (or its executor confirmed it did not)."""
+
+        by: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.CANCELLED
+            aggregate.lease = None
+            aggregate.outcome = {"status": "cancelled", "by": self.by}
+
+    class CancelTooLate(Event):
+        """A cancellation arrived after the side effect had happened."""
+
+        by: str
+        outcome: str
+
+    # ---------------------------------------------------------------- state
+    # Set only by the events' apply methods. Declared for readers and mypy under
+    # TYPE_CHECKING: class-level annotations would make the library turn the
+    # aggregate into a dataclass with a generated __init__.
+    if TYPE_CHECKING:
+        state: OperationState
+        head_hash: str
+        proposal: dict[str, Any]
+        fingerprint: str
+        actor: str
+        tenant: str
+        environment: str
+        tool: str
+        tool_version: str | None
+        input_schema_hash: str | None
+        output_schema_hash: str | None
+        proposal_hash: str | None
+        arguments: dict[str, Any] | None
+        risk: str | None
+        max_attempts: int
+        retry_on: list[str]
+        issues: list[dict[str, Any]]
+        approval: dict[str, Any] | None
+        approvers: list[str]
+        approval_consumed: bool
+        attempt: int
+        fencing_token: int
+        lease: dict[str, Any] | None
+        leases: list[dict[str, Any]]
+        outcome: dict[str, Any] | None
+        cancel_requested: bool
+
+    # ------------------------------------------------------------- commands
+
+    @classmethod
+    def propose(
+        cls,
+        operation_id: str,
+        *,
+        proposal: dict[str, Any],
+        fingerprint: str,
+        actor: str,
+        tenant: str,
+        environment: str,
+        tool: str,
+        now: datetime,
+    ) -> Operation:
+        """Record a new proposal under `operation_id`."""
+        return cls._create(
+            cls.Proposed,
+            id=operation_id,
+            timestamp=now,
+            prev_hash=GENESIS_HASH,
+            proposal=proposal,
+            fingerprint=fingerprint,
+            actor=actor,
+            tenant=tenant,
+            environment=environment,
+            tool=tool,
+        )
+
+    def _guard(self, command: str) -> None:
+        if self.state not in ALLOWED[command]:
+            raise IllegalTransition(
+                f"cannot {command.replace('_', ' ')} an operation that is {self.state.value}",
+                operation_id=self.id,
+                state=self.state.value,
+                command=command,
+            )
+
+    def _trigger(self, event_class: type[Event], now: datetime, **kwargs: Any) -> None:
+        self.trigger_event(event_class, timestamp=now, prev_hash=self.head_hash, **kwargs)
+
+    def validate(
+        self,
+        *,
+        tool_version: str,
+        input_schema_hash: str,
+        output_schema_hash: str,
+        proposal_hash: str,
+        arguments: dict[str, Any],
+        applied_defaults: list[str],
+        risk: str,
+        risk_reasons: list[str],
+        max_attempts: int,
+        retry_on: list[str],
+        now: datetime,
+    ) -> None:
+        """Record that the layered check passed."""
+        self._guard("validate")
+        self._trigger(
+            self.Validated,
+            now,
+            tool_version=tool_version,
+            input_schema_hash=input_schema_hash,
+            output_schema_hash=output_schema_hash,
+            proposal_hash=proposal_hash,
+            arguments=arguments,
+            applied_defaults=applied_defaults,
+            risk=risk,
+            risk_reasons=risk_reasons,
+            max_attempts=max_attempts,
+            retry_on=retry_on,
+        )
+
+    def reject(
+        self,
+        *,
+        issues: list[dict[str, Any]],
+        category: str,
+        repairable: bool,
+        tool_version: str | None,
+        now: datetime,
+    ) -> None:
+        """Record that the layered check refused the call."""
+        self._guard("reject")
+        self._trigger(
+            self.Rejected,
+            now,
+            reason_codes=[str(issue["code"]) for issue in issues],
+            category=category,
+            repairable=repairable,
+            issues=issues,
+            tool_version=tool_version,
+        )
+
+    def request_approval(
+        self,
+        *,
+        approval_id: str,
+        effect_preview: dict[str, Any],
+        approver_roles: list[str],
+        required_approvals: int,
+        separation_of_duties: bool,
+        expires_at: datetime,
+        reason: str,
+        now: datetime,
+    ) -> None:
+        """Ask for human approval of exactly this call."""
+        self._guard("request_approval")
+        if required_approvals < 1:
+            raise ValueError("required_approvals must be at least 1")
+        self._trigger(
+            self.ApprovalRequested,
+            now,
+            approval_id=approval_id,
+            effect_preview=effect_preview,
+            approver_roles=approver_roles,
+            required_approvals=required_approvals,
+            separation_of_duties=separation_of_duties,
+            expires_at=expires_at,
+            reason=reason,
+        )
+
+    def mark_ready(self, now: datetime) -> None:
+        """Auto-approved: the call may run."""
+        self._guard("mark_ready")
+        self._trigger(self.Readied, now)
+
+    def grant_approval(
+        self,
+        *,
+        approval_id: str,
+        approver: str,
+        approver_roles: frozenset[str],
+        proposal_hash: str,
+        now: datetime,
+    ) -> Refusal | None:
+        """Approve; returns the refusal reason (recorded as an event) when refused."""
+        if self.state not in ALLOWED["grant_approval"] or self.approval is None:
+            raise IllegalTransition(
+                f"cannot grant approval to an operation that is {self.state.value}",
+                operation_id=self.id,
+                state=self.state.value,
+                command="grant_approval",
+            )
+        refusal = self._approval_refusal(approval_id, approver, approver_roles, proposal_hash, now)
+        if refusal is not None:
+            self._trigger(
+                self.ApprovalRefused,
+                now,
+                approval_id=approval_id,
+                approver=approver,
+                proposal_hash=proposal_hash,
+                reason=refusal,
+            )
+            if refusal == "expired":
+                self._trigger(self.ApprovalExpired, now, approval_id=self.approval["approval_id"])
+            return refusal
+        self._trigger(
+            self.ApprovalGranted,
+            now,
+            approval_id=approval_id,
+            approver=approver,
+            proposal_hash=proposal_hash,
+        )
+        if len(self.approvers) >= self.approval["required_approvals"]:
+            self._trigger(
+                self.Readied, now, approval_id=approval_id, approvers=list(self.approvers)
+            )
+        return None
+
+    def _approval_refusal(
+        self,
+        approval_id: str,
+        approver: str,
+        approver_roles: frozenset[str],
+        proposal_hash: str,
+        now: datetime,
+    ) -> Refusal | None:
+        assert self.approval is not None
+        if approval_id != self.approval["approval_id"]:
+            return Refusal("unknown_approval")
+        if self.approval_consumed or self.state is not S.AWAITING_APPROVAL:
+            return Refusal("approval_consumed")
+        if proposal_hash != self.proposal_hash:
+            return Refusal("proposal_hash_mismatch")
+        if now >= self.approval["expires_at"]:
+            return Refusal("expired")
+        if self.approval["separation_of_duties"] and approver == self.actor:
+            return Refusal("requester_cannot_approve")
+        if not approver_roles & set(self.approval["approver_roles"]):
+            return Refusal("not_an_approver")
+        if approver in self.approvers:
+            return Refusal("duplicate_approver")
+        return None
+
+    def deny_approval(self, *, approval_id: str, approver: str, reason: str, now: datetime) -> None:
+        """Deny the call; it will never run."""
+        self._guard("deny_approval")
+        assert self.approval is not None
+        if approval_id != self.approval["approval_id"]:
+            raise IllegalTransition("no such approval request", operation_id=self.id)
+        self._trigger(
+            self.ApprovalDenied, now, approval_id=approval_id, approver=approver, reason=reason
+        )
+
+    def expire_approval(self, now: datetime) -> None:
+        """Expire the approval request, if its time has passed."""
+        self._guard("expire_approval")
+        assert self.approval is not None
+        if now < self.approval["expires_at"]:
+            raise IllegalTransition("the approval has not expired yet", operation_id=self.id)
+        self._trigger(self.ApprovalExpired, now, approval_id=self.approval["approval_id"])
+
+    def claim_lease(self, *, executor: str, ttl: timedelta, now: datetime) -> int:
+        """Hand the operation to `executor`; returns the new, larger fencing token."""
+        self._guard("claim_lease")
+        token = self.fencing_token + 1
+        self._trigger(
+            self.LeaseClaimed,
+            now,
+            executor=executor,
+            fencing_token=token,
+            attempt=self.attempt + 1,
+            lease_expires_at=now + ttl,
+        )
+        return token
+
+    def expire_lease(self, now: datetime) -> None:
+        """The lease ran out without a result: the outcome is now unknown."""
+        self._guard("expire_lease")
+        assert self.lease is not None
+        if now < self.lease["expires_at"]:
+            raise IllegalTransition("the lease has not expired yet", operation_id=self.id)
+        self._trigger(self.LeaseExpired, now, fencing_token=self.fencing_token)
+
+    def record_result(
+        self,
+        *,
+        fencing_token: int,
+        executor: str,
+        outcome: Outcome,
+        now: datetime,
+        output_hash: str = "",
+        result_ref: str = "",
+        code: str = "",
+        category: str = "",
+        retryable: bool = False,
+        reason: str = "",
+    ) -> ResultDisposition:
+        """Take an executor's report; duplicates converge, stale and late ones are only noted."""
+        self._guard("record_result")
+        if fencing_token != self.fencing_token or self.fencing_token == 0:
+            self._trigger(
+                self.StaleResultRecorded,
+                now,
+                fencing_token=fencing_token,
+                current_token=self.fencing_token,
+                executor=executor,
+                outcome=outcome,
+            )
+            return ResultDisposition.STALE
+        if self.state in TERMINAL_STATES or self.state is S.READY:
+            return self._late_result(fencing_token, executor, outcome, output_hash, now)
+        if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING):
+            self._reconcile(outcome, executor, now, output_hash, result_ref, code, category,
+                            retryable)
+            return ResultDisposition.ACCEPTED
+        if outcome == "succeeded":
+            if self.cancel_requested:
+                self._trigger(self.CancelTooLate, now, by=executor, outcome=outcome)
+            self._trigger(
+                self.Succeeded,
+                now,
+                fencing_token=fencing_token,
+                attempt=self.attempt,
+                executor=executor,
+                output_hash=output_hash,
+                result_ref=result_ref,
+            )
+        elif outcome == "failed":
+            self._trigger(
+                self.Failed,
+                now,
+                fencing_token=fencing_token,
+                attempt=self.attempt,
+                executor=executor,
+                code=code,
+                category=category,
+                retryable=retryable,
+                result_ref=result_ref,
+            )
+        else:
+            self._trigger(
+                self.OutcomeUnknown,
+                now,
+                fencing_token=fencing_token,
+                attempt=self.attempt,
+                executor=executor,
+                reason=reason,
+            )
+        return ResultDisposition.ACCEPTED
+
+    def _late_result(
+        self, token: int, executor: str, outcome: str, output_hash: str, now: datetime
+    ) -> ResultDisposition:
+        recorded = self.outcome or {}
+        same = recorded.get("status") == outcome and (
+            outcome != "succeeded" or recorded.get("output_hash") == output_hash
+        )
+        if same:
+            return ResultDisposition.DUPLICATE
+        self._trigger(
+            self.ConflictingOutcomeRecorded,
+            now,
+            fencing_token=token,
+            executor=executor,
+            outcome=outcome,
+            output_hash=output_hash,
+        )
+        return ResultDisposition.CONFLICTING
+
+    def start_reconciliation(self, *, by: str, now: datetime) -> None:
+        """Begin looking the outcome up at the provider."""
+        self._guard("start_reconciliation")
+        self._trigger(self.ReconciliationStarted, now, by=by)
+
+    def reconcile(
+        self,
+        *,
+        outcome: Literal["succeeded", "failed"],
+        by: str,
+        now: datetime,
+        output_hash: str = "",
+        result_ref: str = "",
+        code: str = "",
+        category: str = "",
+        retryable: bool = False,
+    ) -> None:
+        """Settle an unknown outcome with what the provider says happened."""
+        self._guard("reconcile")
+        self._reconcile(outcome, by, now, output_hash, result_ref, code, category, retryable)
+
+    def _reconcile(
+        self,
+        outcome: str,
+        by: str,
+        now: datetime,
+        output_hash: str,
+        result_ref: str,
+        code: str,
+        category: str,
+        retryable: bool,
+    ) -> None:
+        if outcome not in ("succeeded", "failed"):
+            raise IllegalTransition("reconciliation needs a definite outcome", operation_id=self.id)
+        self._trigger(
+            self.Reconciled,
+            now,
+            outcome=outcome,
+            by=by,
+            output_hash=output_hash,
+            result_ref=result_ref,
+            code=code,
+            category=category,
+            retryable=retryable,
+        )
+
+    @property
+    def can_retry(self) -> bool:
+        """Whether a failed attempt may be retried under the contract's retry policy."""
+        outcome = self.outcome or {}
+        return (
+            self.state is S.FAILED
+            and bool(outcome.get("retryable"))
+            and outcome.get("category") in self.retry_on
+            and self.attempt < self.max_attempts
+        )
+
+    def schedule_retry(self, *, not_before: datetime, now: datetime) -> None:
+        """Make a failed operation ready again, if its retry policy allows it."""
+        self._guard("schedule_retry")
+        if not self.can_retry:
+            raise IllegalTransition(
+                "this failure may not be retried", operation_id=self.id, attempt=self.attempt
+            )
+        self._trigger(self.RetryScheduled, now, after_attempt=self.attempt, not_before=not_before)
+
+    def request_cancel(self, *, by: str, reason: str, now: datetime) -> None:
+        """Cancel: at once if nothing runs yet, by request if running, noted if too late."""
+        self._guard("request_cancel")
+        if self.state in (S.CANCELLED, S.CANCEL_REQUESTED):
+            return  # already cancelled or asked: converge, append nothing
+        if self.state in (S.SUCCEEDED, S.FAILED):
+            self._trigger(self.CancelTooLate, now, by=by, outcome=self.state.value)
+            return
+        self._trigger(self.CancelRequested, now, by=by, reason=reason)
+        if self.state is not S.CANCEL_REQUESTED:
+            self._trigger(self.Cancelled, now, by=by)
+
+    def confirm_cancelled(self, *, by: str, now: datetime) -> None:
+        """The executor confirms it stopped before any side effect."""
+        self._guard("confirm_cancelled")
+        self._trigger(self.Cancelled, now, by=by)

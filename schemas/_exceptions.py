@@ -1,0 +1,41 @@
+"""The one exception hierarchy of opledger.
+
+Every error opledger raises on purpose derives from `OpledgerError` and knows
+its category and stable code, so entry points turn any of them into an
+`ErrorEnvelope` without ever showing a stack trace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
+
+__all__ = ["OpledgerError"]
+
+
+class OpledgerError(Exception):
+    """Base of every deliberate opledger error."""
+
+    category: ErrorCategory = ErrorCategory.INTERNAL
+    code: str = "INTERNAL_ERROR"
+    retryable: bool = False
+
+    def __init__(self, message: str, **safe_details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.safe_details = safe_details
+
+    def to_info(self) -> ErrorInfo:
+        """This error as the wire's `ErrorInfo`."""
+        return ErrorInfo(
+            code=self.code,
+            category=self.category,
+            message=self.message,
+            retryable=self.retryable,
+            safe_details=self.safe_details,
+        )
+
+    def to_envelope(self, **meta: Any) -> ErrorEnvelope:
+        """This error as a complete `ErrorEnvelope`."""
+        return ErrorEnvelope(error=self.to_info(), meta=meta)

@@ -1,0 +1,39 @@
+"""The published JSON Schema files match the pydantic models they are generated from."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from jsonschema import Draft202012Validator
+
+from schemas import SCHEMA_DIR, WIRE_MODELS, ToolProposal, render_schema
+
+
+@pytest.mark.parametrize("name", sorted(WIRE_MODELS))
+def test_published_schema_matches_model(name: str) -> None:
+    path = SCHEMA_DIR / f"{name}.schema.json"
+    assert path.exists(), f"{path} is missing: run `python -m schemas`"
+    assert path.read_bytes() == render_schema(name), (
+        f"{path.name} drifted from its model: run `python -m schemas` and commit the result"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(WIRE_MODELS))
+def test_published_schema_is_valid_draft_2020_12(name: str) -> None:
+    Draft202012Validator.check_schema(
+        orjson.loads((SCHEMA_DIR / f"{name}.schema.json").read_bytes())
+    )
+
+
+def test_a_model_instance_validates_against_its_published_schema() -> None:
+    schema = orjson.loads((SCHEMA_DIR / "proposal.schema.json").read_bytes())
+    proposal = ToolProposal(
+        proposal_id="p-1",
+        conversation_id="c-1",
+        requested_by_user_id="alice",
+        tool_name="search_documents",
+        arguments='{"query": "refund"}',
+    )
+    Draft202012Validator(schema).validate(orjson.loads(proposal.model_dump_json()))
+    bad = {"proposal_id": "p-1", "tool_name": "x", "arguments": {}, "surprise": 1}
+    assert not Draft202012Validator(schema).is_valid(bad)
