@@ -194,6 +194,8 @@ def snapshots_distinct_and_ordered(data: SemanticInput) -> list[ValidationIssue]
     """
     before_id = data.arguments.get("before_snapshot_id")
     after_id = data.arguments.get("after_snapshot_id")
+    if not isinstance(before_id, str) or not isinstance(after_id, str):
+        return []
     if before_id == after_id:
         return [
             _issue(

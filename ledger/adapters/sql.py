@@ -1,0 +1,107 @@
+"""A thin SQL connection for the read models, over sqlite3 or psycopg.
+
+The read models (operations view, digest chain, results) live in the same
+database as the events, so one backend choice covers everything. Statements
+are written with `?` placeholders and translated for psycopg.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+
+from ledger.adapters.storage import StorageConfig
+
+__all__ = ["SqlDatabase"]
+
+
+class SqlDatabase:
+    """One connection, used by one thread at a time (a lock makes that so)."""
+
+    def __init__(self, storage: StorageConfig) -> None:
+        self.storage = storage
+        self.is_postgres = storage.is_postgres
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | psycopg.Connection[Any]
+        if storage.sqlite_path is not None:
+            storage.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(
+                storage.sqlite_path, check_same_thread=False, timeout=10, isolation_level=None
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn = conn
+        else:
+            pg = psycopg.connect(storage.postgres_dsn or "", autocommit=True)
+            if storage.postgres_schema:
+                pg.execute(f'CREATE SCHEMA IF NOT EXISTS "{storage.postgres_schema}"')
+                pg.execute(f'SET search_path TO "{storage.postgres_schema}"')
+            self._conn = pg
+
+    def _sql(self, statement: str) -> str:
+        return statement.replace("?", "%s") if self.is_postgres else statement
+
+    @contextmanager
+    def transaction(self) -> Iterator[SqlDatabase]:
+        """Run the block in one transaction (re-entrant within a thread)."""
+        with self._lock:
+            if getattr(self, "_depth", 0):
+                self._depth += 1
+                try:
+                    yield self
+                finally:
+                    self._depth -= 1
+                return
+            self._depth = 1
+            try:
+                if self.is_postgres:
+                    with self._pg.transaction():
+                        yield self
+                else:
+                    self._conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        yield self
+                    except BaseException:
+                        self._conn.execute("ROLLBACK")
+                        raise
+                    self._conn.execute("COMMIT")
+            finally:
+                self._depth = 0
+
+    @property
+    def _pg(self) -> psycopg.Connection[Any]:
+        assert isinstance(self._conn, psycopg.Connection)
+        return self._conn
+
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> None:
+        """Run one statement."""
+        with self._lock:
+            self._conn.execute(self._sql(statement), params)
+
+    def executemany(self, statement: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Run one statement for many parameter rows."""
+        if not rows:
+            return
+        with self._lock:
+            if self.is_postgres:
+                with self._pg.cursor() as cursor:
+                    cursor.executemany(self._sql(statement), rows)
+            else:
+                assert isinstance(self._conn, sqlite3.Connection)
+                self._conn.executemany(statement, rows)
+
+    def query(self, statement: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Rows of one query."""
+        with self._lock:
+            cursor = self._conn.execute(self._sql(statement), params)
+            return [tuple(row) for row in cursor.fetchall()]
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._conn.close()

@@ -1,0 +1,1 @@
+"""What auditors use: verify the hash chains, replay, export."""

@@ -1,0 +1,1 @@
+"""Read models derived from the event order: rebuildable at any time."""

@@ -1,0 +1,302 @@
+"""The operations read model and the global digest chain, projected from the event order.
+
+One projector follows the application's notification log. For each event it
+updates the operation's row and extends the running digest, in the same
+transaction as its tracking position, so the view never skips or repeats an
+event. Dropping the tables and replaying gives the identical view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import ApplicationRecorder, Notification
+
+from ledger.adapters.sql import SqlDatabase
+from ledger.domain.hashing import GENESIS_HASH, chain_digest, state_hash
+
+__all__ = ["VIEW_COLUMNS", "OperationRow", "OperationsProjector"]
+
+_NAME = "operations_view"
+VIEW_COLUMNS = (
+    "operation_id",
+    "state",
+    "tool",
+    "tool_version",
+    "actor",
+    "tenant",
+    "risk",
+    "attempts",
+    "created_at",
+    "updated_at",
+    "last_version",
+    "approval_id",
+    "approval_expires_at",
+    "approvals_required",
+    "approvals_granted",
+    "proposal_hash",
+)
+
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS opledger_operations (
+        operation_id TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        tool TEXT NOT NULL,
+        tool_version TEXT,
+        actor TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        risk TEXT,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        last_version INTEGER NOT NULL,
+        approval_id TEXT,
+        approval_expires_at TEXT,
+        approvals_required INTEGER NOT NULL DEFAULT 0,
+        approvals_granted INTEGER NOT NULL DEFAULT 0,
+        proposal_hash TEXT
+    )""",
+    "CREATE INDEX IF NOT EXISTS opledger_operations_budget"
+    " ON opledger_operations (tenant, actor, tool, created_at)",
+    "CREATE INDEX IF NOT EXISTS opledger_operations_state ON opledger_operations (state)",
+    """CREATE TABLE IF NOT EXISTS opledger_digest (
+        notification_id BIGINT PRIMARY KEY,
+        operation_id TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        event_hash TEXT NOT NULL,
+        running_digest TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS opledger_positions (
+        name TEXT PRIMARY KEY,
+        position BIGINT NOT NULL
+    )""",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class OperationRow:
+    """One row of the operations view."""
+
+    operation_id: str
+    state: str
+    tool: str
+    tool_version: str | None
+    actor: str
+    tenant: str
+    risk: str | None
+    attempts: int
+    created_at: str
+    updated_at: str
+    last_version: int
+    approval_id: str | None
+    approval_expires_at: str | None
+    approvals_required: int
+    approvals_granted: int
+    proposal_hash: str | None
+
+
+# Event type → columns it sets. A callable computes values from the event state.
+_Setter = dict[str, Any | Callable[[dict[str, Any]], Any]]
+
+_STATE_CHANGES: dict[str, _Setter] = {
+    "Validated": {
+        "state": "validated",
+        "tool_version": lambda e: e["tool_version"],
+        "risk": lambda e: e["risk"],
+        "proposal_hash": lambda e: e["proposal_hash"],
+    },
+    "Rejected": {"state": "rejected", "tool_version": lambda e: e["tool_version"]},
+    "ApprovalRequested": {
+        "state": "awaiting_approval",
+        "approval_id": lambda e: e["approval_id"],
+        "approval_expires_at": lambda e: e["expires_at"],
+        "approvals_required": lambda e: e["required_approvals"],
+    },
+    "ApprovalDenied": {"state": "approval_denied", "approval_id": None},
+    "ApprovalExpired": {"state": "approval_expired", "approval_id": None},
+    "Readied": {"state": "ready", "approval_id": None},
+    "LeaseClaimed": {"state": "executing", "attempts": lambda e: e["attempt"]},
+    "LeaseExpired": {"state": "outcome_unknown"},
+    "OutcomeUnknown": {"state": "outcome_unknown"},
+    "Succeeded": {"state": "succeeded"},
+    "Failed": {"state": "failed"},
+    "ReconciliationStarted": {"state": "reconciling"},
+    "Reconciled": {"state": lambda e: "succeeded" if e["outcome"] == "succeeded" else "failed"},
+    "RetryScheduled": {"state": "ready"},
+    "Cancelled": {"state": "cancelled", "approval_id": None},
+}
+
+
+def _event_type(topic: str) -> str:
+    return topic.rsplit(".", 1)[-1]
+
+
+class OperationsProjector:
+    """Keeps the operations view and the digest chain up to date with the event log."""
+
+    def __init__(self, db: SqlDatabase, recorder: ApplicationRecorder, batch_size: int = 500):
+        self._db = db
+        self._recorder = recorder
+        self._batch_size = batch_size
+        with db.transaction():
+            for statement in _SCHEMA:
+                db.execute(statement)
+            db.execute(
+                "INSERT INTO opledger_positions (name, position) VALUES (?, 0)"
+                " ON CONFLICT (name) DO NOTHING",
+                (_NAME,),
+            )
+
+    def position(self) -> int:
+        """The last notification ID the view includes."""
+        return int(self._db.query(
+            "SELECT position FROM opledger_positions WHERE name = ?", (_NAME,)
+        )[0][0])
+
+    def catch_up(self) -> int:
+        """Project every notification not yet in the view; returns how many."""
+        total = 0
+        while True:
+            count = self._project_batch()
+            total += count
+            if count < self._batch_size:
+                return total
+
+    def _project_batch(self) -> int:
+        db = self._db
+        with db.transaction():
+            lock = " FOR UPDATE" if db.is_postgres else ""
+            position = int(db.query(
+                f"SELECT position FROM opledger_positions WHERE name = ?{lock}", (_NAME,)
+            )[0][0])
+            notifications = self._recorder.select_notifications(
+                start=position, limit=self._batch_size, inclusive_of_start=False
+            )
+            if not notifications:
+                return 0
+            digest_rows = db.query(
+                "SELECT running_digest FROM opledger_digest"
+                " ORDER BY notification_id DESC LIMIT 1"
+            )
+            digest = digest_rows[0][0] if digest_rows else GENESIS_HASH
+            digests: list[tuple[Any, ...]] = []
+            for notification in notifications:
+                state = orjson.loads(notification.state)
+                event_hash = state_hash(notification.topic, state)
+                digest = chain_digest(digest, event_hash)
+                digests.append((
+                    notification.id, notification.originator_id,
+                    notification.originator_version, event_hash, digest,
+                ))
+                self._apply(notification, state)
+            db.executemany(
+                "INSERT INTO opledger_digest"
+                " (notification_id, operation_id, version, event_hash, running_digest)"
+                " VALUES (?, ?, ?, ?, ?)",
+                digests,
+            )
+            db.execute(
+                "UPDATE opledger_positions SET position = ? WHERE name = ?",
+                (notifications[-1].id, _NAME),
+            )
+            return len(notifications)
+
+    def _apply(self, notification: Notification, state: dict[str, Any]) -> None:
+        kind = _event_type(notification.topic)
+        operation_id = notification.originator_id
+        timestamp = _normalized(state["timestamp"])
+        if kind == "Proposed":
+            self._db.execute(
+                "INSERT INTO opledger_operations (operation_id, state, tool, actor, tenant,"
+                " created_at, updated_at, last_version) VALUES (?, 'proposed', ?, ?, ?, ?, ?, ?)",
+                (operation_id, state["tool"], state["actor"], state["tenant"], timestamp,
+                 timestamp, notification.originator_version),
+            )
+            return
+        columns: dict[str, Any] = {
+            "updated_at": timestamp,
+            "last_version": notification.originator_version,
+        }
+        for column, value in _STATE_CHANGES.get(kind, {}).items():
+            columns[column] = value(state) if callable(value) else value
+        increment = ", approvals_granted = approvals_granted + 1" if kind == "ApprovalGranted" else ""
+        if kind == "CancelRequested":
+            increment = (
+                ", state = CASE WHEN state = 'executing' THEN 'cancel_requested' ELSE state END"
+            )
+        assignments = ", ".join(f"{column} = ?" for column in columns)
+        self._db.execute(
+            f"UPDATE opledger_operations SET {assignments}{increment} WHERE operation_id = ?",
+            (*columns.values(), operation_id),
+        )
+
+    def rebuild(self) -> int:
+        """Drop the view and the digest chain and project everything again."""
+        with self._db.transaction():
+            self._db.execute("DELETE FROM opledger_operations")
+            self._db.execute("DELETE FROM opledger_digest")
+            self._db.execute("UPDATE opledger_positions SET position = 0 WHERE name = ?", (_NAME,))
+        return self.catch_up()
+
+    # ------------------------------------------------------------------ queries
+
+    def rows(
+        self,
+        *,
+        state: str | None = None,
+        tool: str | None = None,
+        tenant: str | None = None,
+        limit: int = 1000,
+    ) -> list[OperationRow]:
+        """Operations, newest first, optionally filtered."""
+        conditions, params = [], []
+        for column, value in (("state", state), ("tool", tool), ("tenant", tenant)):
+            if value is not None:
+                conditions.append(f"{column} = ?")
+                params.append(value)
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+        rows = self._db.query(
+            f"SELECT {', '.join(VIEW_COLUMNS)} FROM opledger_operations{where}"
+            " ORDER BY created_at DESC, operation_id LIMIT ?",
+            (*params, limit),
+        )
+        return [OperationRow(*row) for row in rows]
+
+    def row(self, operation_id: str) -> OperationRow | None:
+        """One operation's row."""
+        rows = self._db.query(
+            f"SELECT {', '.join(VIEW_COLUMNS)} FROM opledger_operations WHERE operation_id = ?",
+            (operation_id,),
+        )
+        return OperationRow(*rows[0]) if rows else None
+
+    def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
+        """Operations proposed by `actor` for `tool` at or after `since` (for budgets)."""
+        return int(self._db.query(
+            "SELECT COUNT(*) FROM opledger_operations"
+            " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?",
+            (tenant, actor, tool, _iso(since)),
+        )[0][0])
+
+    def digest_rows(self) -> Sequence[tuple[int, str, int, str, str]]:
+        """The digest chain: (notification ID, operation, version, event hash, digest)."""
+        return [
+            (int(r[0]), str(r[1]), int(r[2]), str(r[3]), str(r[4]))
+            for r in self._db.query(
+                "SELECT notification_id, operation_id, version, event_hash, running_digest"
+                " FROM opledger_digest ORDER BY notification_id"
+            )
+        ]
+
+
+def _iso(moment: datetime) -> str:
+    # One fixed-width UTC form, so that string comparison orders timestamps.
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _normalized(timestamp: str) -> str:
+    return _iso(datetime.fromisoformat(timestamp))

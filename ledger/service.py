@@ -1,0 +1,493 @@
+"""The ledger's service layer: use cases over the Operation aggregate.
+
+Each use case loads operations, runs one command, and saves the new events in
+one atomic append. Optimistic concurrency does the rest: when two writers race
+on one operation, the loser's append fails, it reloads, and re-runs its command
+against the fresh state, which either succeeds or refuses cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import IO, Any, TypeVar
+
+from eventsourcing.application import AggregateNotFoundError
+from eventsourcing.persistence import IntegrityError
+
+from ledger.adapters.eventstore import EventStoreApp
+from ledger.adapters.results import ResultStore
+from ledger.adapters.sql import SqlDatabase
+from ledger.audit.export import export_jsonl
+from ledger.audit.verify import VerificationReport, verify_ledger
+from ledger.domain.errors import ApprovalRefused, OperationConflict, OperationNotFound
+from ledger.domain.operation import Operation
+from ledger.domain.states import OperationState, ResultDisposition
+from ledger.projections.operations_view import OperationsProjector
+from policy import ProposalChecker, ToolContract
+from schemas import (
+    CanonicalizationError,
+    Decision,
+    DecisionOutcome,
+    ResultEnvelope,
+    RuntimeContext,
+    ToolProposal,
+    canonical_json,
+    sha256_hex,
+)
+
+__all__ = ["LeaseGrant", "Ledger", "Submission"]
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """The answer to a submitted proposal."""
+
+    operation_id: str
+    state: OperationState
+    decision: Decision | None
+    """The check's decision; None when the operation already existed."""
+    created: bool
+    """False when the same call was submitted before under this ID."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """What an executor receives with a lease: exactly the approved call."""
+
+    operation_id: str
+    tool: str
+    tool_version: str
+    arguments: dict[str, Any]
+    fencing_token: int
+    attempt: int
+    lease_expires_at: datetime
+    proposal_hash: str
+
+
+def fingerprint(proposal: ToolProposal, context: RuntimeContext) -> str:
+    """What makes two submissions "the same call" for idempotency.
+
+    Raw arguments may not be canonical JSON (a syntax error, a huge integer);
+    those are fingerprinted by their repr, which is still deterministic.
+    """
+    body = {
+        "tool": proposal.tool_name,
+        "arguments": proposal.arguments,
+        "actor": context.principal,
+        "tenant": context.tenant,
+    }
+    try:
+        return sha256_hex(canonical_json(body))
+    except CanonicalizationError:
+        return sha256_hex(repr(sorted(body.items())).encode())
+
+
+class Ledger:
+    """Submit, approve, lease, record and cancel operations."""
+
+    def __init__(
+        self,
+        *,
+        events: EventStoreApp,
+        db: SqlDatabase,
+        checker: ProposalChecker,
+        projector: OperationsProjector | None = None,
+        clock: Callable[[], datetime] = _utcnow,
+        new_id: Callable[[], str] = lambda: f"op-{uuid.uuid4()}",
+        lease_ttl: timedelta = timedelta(seconds=60),
+        conflict_retries: int = 5,
+    ) -> None:
+        self.events = events
+        self.db = db
+        self.checker = checker
+        self.projector = projector or OperationsProjector(db, events.recorder)
+        self.results = ResultStore(db)
+        self._clock = clock
+        self._new_id = new_id
+        self._lease_ttl = lease_ttl
+        self._conflict_retries = conflict_retries
+
+    # ------------------------------------------------------------------ reading
+
+    def get(self, operation_id: str, *, version: int | None = None) -> Operation:
+        """The operation as of now, or as of `version` (for auditors' replay)."""
+        try:
+            operation: Operation = self.events.repository.get(operation_id, version=version)
+        except AggregateNotFoundError:
+            raise OperationNotFound("no such operation", operation_id=operation_id) from None
+        return operation
+
+    def history(self, operation_id: str) -> list[Any]:
+        """Every event of one operation, oldest first."""
+        events = list(self.events.events.get(operation_id))
+        if not events:
+            raise OperationNotFound("no such operation", operation_id=operation_id)
+        return events
+
+    def contract_of(self, operation: Operation) -> ToolContract | None:
+        """The pinned contract the operation was checked against, if still pinned."""
+        contract = self.checker.catalog.get(operation.tool)
+        if contract is None or contract.version != operation.tool_version:
+            return None
+        return contract
+
+    def refresh(self) -> int:
+        """Bring the read models up to date with the event log."""
+        return self.projector.catch_up()
+
+    # --------------------------------------------------------------- submitting
+
+    def submit(self, proposal: ToolProposal, context: RuntimeContext) -> Submission:
+        """Record and check one proposal. Same ID and call again: the existing operation."""
+        return self.submit_many([(proposal, context)])[0]
+
+    def submit_many(
+        self, items: Sequence[tuple[ToolProposal, RuntimeContext]]
+    ) -> list[Submission]:
+        """Record and check many proposals with one atomic append (the fast path)."""
+        answers: list[Submission | None] = [None] * len(items)
+        new: list[tuple[int, Operation, Decision]] = []
+        seen: dict[str, int] = {}
+        for index, (proposal, context) in enumerate(items):
+            operation_id = proposal.operation_id or self._new_id()
+            print_ = fingerprint(proposal, context)
+            if proposal.operation_id is not None:
+                existing = self._existing(operation_id, print_)
+                if existing is not None:
+                    answers[index] = existing
+                    continue
+            if operation_id in seen:
+                raise OperationConflict(
+                    "the same operation ID twice in one batch", operation_id=operation_id
+                )
+            seen[operation_id] = index
+            operation, decision = self._new_operation(operation_id, proposal, context, print_)
+            new.append((index, operation, decision))
+        if new:
+            try:
+                self.events.save(*(operation for _, operation, _ in new))
+            except IntegrityError:
+                # Someone created one of these IDs meanwhile: settle them one by one.
+                if len(new) == 1:
+                    index, operation, _ = new[0]
+                    proposal, context = items[index]
+                    existing = self._existing(operation.id, fingerprint(proposal, context))
+                    assert existing is not None
+                    answers[index] = existing
+                    return [a for a in answers if a is not None]
+                for index, _, _ in new:
+                    answers[index] = self.submit(*items[index])
+                return [a for a in answers if a is not None]
+            for index, operation, decision in new:
+                answers[index] = Submission(operation.id, operation.state, decision, True)
+        return [a for a in answers if a is not None]
+
+    def _existing(self, operation_id: str, print_: str) -> Submission | None:
+        try:
+            operation = self.get(operation_id)
+        except OperationNotFound:
+            return None
+        if operation.fingerprint != print_:
+            raise OperationConflict(
+                "this operation ID belongs to a different call", operation_id=operation_id
+            )
+        return Submission(operation.id, operation.state, None, False)
+
+    def _new_operation(
+        self, operation_id: str, proposal: ToolProposal, context: RuntimeContext, print_: str
+    ) -> tuple[Operation, Decision]:
+        now = self._clock()
+        decision = self.checker.check(proposal, context)
+        operation = Operation.propose(
+            operation_id,
+            proposal=proposal.model_dump(mode="json"),
+            fingerprint=print_,
+            actor=context.principal,
+            tenant=context.tenant,
+            environment=context.environment,
+            tool=proposal.tool_name,
+            now=now,
+        )
+        if decision.outcome is DecisionOutcome.REJECTED:
+            operation.reject(
+                issues=[issue.model_dump(mode="json") for issue in decision.issues],
+                category=(decision.category.value if decision.category else "INVALID_INPUT"),
+                repairable=decision.repairable,
+                tool_version=decision.tool_version,
+                now=now,
+            )
+            return operation, decision
+        contract = self.checker.catalog[decision.tool]
+        assert decision.proposal_hash is not None and decision.risk is not None
+        operation.validate(
+            tool_version=contract.version,
+            input_schema_hash=contract.input_schema_hash,
+            output_schema_hash=contract.output_schema_hash,
+            proposal_hash=decision.proposal_hash,
+            arguments=dict(decision.normalized_arguments or {}),
+            applied_defaults=list(decision.applied_defaults),
+            risk=decision.risk.value,
+            risk_reasons=list(decision.risk_reasons),
+            max_attempts=contract.retry.max_attempts,
+            retry_on=sorted(category.value for category in contract.retry.retry_on),
+            now=now,
+        )
+        if decision.approval is None:
+            operation.mark_ready(now)
+        else:
+            operation.request_approval(
+                approval_id=f"apr-{uuid.uuid4().hex[:16]}",
+                effect_preview=effect_preview(contract, decision, context),
+                approver_roles=list(decision.approval.approver_roles),
+                required_approvals=decision.approval.required_approvals,
+                separation_of_duties=decision.approval.separation_of_duties,
+                expires_at=now + timedelta(seconds=decision.approval.expires_in_s),
+                reason=decision.approval.reason,
+                now=now,
+            )
+        return operation, decision
+
+    # ---------------------------------------------------------------- commands
+
+    def _update(self, operation_id: str, command: Callable[[Operation], T]) -> T:
+        """Run `command` on the fresh operation and save; on a lost race, again."""
+        for _ in range(self._conflict_retries):
+            operation = self.get(operation_id)
+            answer = command(operation)
+            if not operation.pending_events:
+                return answer
+            try:
+                self.events.save(operation)
+            except IntegrityError:
+                _log.debug("lost a race on %s; retrying", operation_id)
+                continue
+            return answer
+        raise OperationConflict(
+            "too many concurrent writers on this operation", operation_id=operation_id
+        )
+
+    def approve(
+        self,
+        operation_id: str,
+        *,
+        approver: str,
+        approver_roles: Iterable[str],
+        proposal_hash: str,
+        approval_id: str | None = None,
+    ) -> Operation:
+        """Approve exactly the call that hashes to `proposal_hash`.
+
+        A refused approval is recorded in the ledger, then `ApprovalRefused` is raised.
+        """
+        roles = frozenset(approver_roles)
+
+        def command(operation: Operation) -> tuple[Operation, str | None]:
+            given = approval_id or (operation.approval or {}).get("approval_id", "")
+            refusal = operation.grant_approval(
+                approval_id=given,
+                approver=approver,
+                approver_roles=roles,
+                proposal_hash=proposal_hash,
+                now=self._clock(),
+            )
+            return operation, refusal
+
+        operation, refusal = self._update(operation_id, command)
+        if refusal is not None:
+            raise ApprovalRefused(
+                f"approval refused: {refusal}", operation_id=operation_id, reason=str(refusal)
+            )
+        return operation
+
+    def deny(self, operation_id: str, *, approver: str, reason: str = "") -> Operation:
+        """Deny the call; it will never run."""
+
+        def command(operation: Operation) -> Operation:
+            operation.deny_approval(
+                approval_id=(operation.approval or {}).get("approval_id", ""),
+                approver=approver,
+                reason=reason,
+                now=self._clock(),
+            )
+            return operation
+
+        return self._update(operation_id, command)
+
+    def expire_approvals(self) -> list[str]:
+        """Expire every approval request whose time has passed."""
+        self.refresh()
+        now = self._clock()
+        expired = []
+        for row in self.projector.rows(state=OperationState.AWAITING_APPROVAL.value):
+            if row.approval_expires_at and datetime.fromisoformat(row.approval_expires_at) <= now:
+                self._update(row.operation_id, lambda op: op.expire_approval(now))
+                expired.append(row.operation_id)
+        return expired
+
+    def claim(self, operation_id: str, *, executor: str, ttl: timedelta | None = None) -> LeaseGrant:
+        """Lease a ready operation to `executor` with a new fencing token."""
+
+        def command(operation: Operation) -> LeaseGrant:
+            now = self._clock()
+            token = operation.claim_lease(executor=executor, ttl=ttl or self._lease_ttl, now=now)
+            return _grant(operation, token)
+
+        return self._update(operation_id, command)
+
+    def claim_many(self, operation_ids: Sequence[str], *, executor: str) -> list[LeaseGrant]:
+        """Lease many ready operations with one append (for batching services)."""
+        operations = [self.get(operation_id) for operation_id in operation_ids]
+        now = self._clock()
+        grants = [
+            _grant(op, op.claim_lease(executor=executor, ttl=self._lease_ttl, now=now))
+            for op in operations
+        ]
+        self.events.save(*operations)
+        return grants
+
+    def record_result(self, envelope: ResultEnvelope) -> ResultDisposition:
+        """Record an executor's result; retries a retryable failure when the policy allows."""
+        return self._update(envelope.operation_id, lambda op: self._apply_result(op, envelope))
+
+    def record_results(self, envelopes: Sequence[ResultEnvelope]) -> list[ResultDisposition]:
+        """Record many results with one append (for batching services)."""
+        operations = {e.operation_id: self.get(e.operation_id) for e in envelopes}
+        dispositions = [self._apply_result(operations[e.operation_id], e) for e in envelopes]
+        self.events.save(*operations.values())
+        return dispositions
+
+    def _apply_result(self, operation: Operation, envelope: ResultEnvelope) -> ResultDisposition:
+        now = self._clock()
+        attempt = envelope.provenance.attempt
+        reference = ResultStore.reference(operation.id, attempt)
+        output_hash = sha256_hex(canonical_json(envelope.data)) if envelope.data is not None else ""
+        if envelope.ok:
+            outcome = "succeeded"
+        elif envelope.outcome_unknown:
+            outcome = "unknown"
+        else:
+            outcome = "failed"
+        error = envelope.error
+        disposition = operation.record_result(
+            fencing_token=envelope.fencing_token,
+            executor=envelope.provenance.executor,
+            outcome=outcome,  # type: ignore[arg-type]
+            now=now,
+            output_hash=output_hash,
+            result_ref=reference,
+            code=error.code if error else "",
+            category=error.category.value if error else "",
+            retryable=error.retryable if error else False,
+            reason=error.message if error else "",
+        )
+        if disposition is ResultDisposition.ACCEPTED:
+            self.results.put(reference, envelope)
+            if operation.can_retry:
+                contract = self.contract_of(operation)
+                delay = contract.retry.backoff_ms(operation.attempt) if contract else 0
+                operation.schedule_retry(not_before=now + timedelta(milliseconds=delay), now=now)
+        return disposition
+
+    def expire_leases(self) -> list[str]:
+        """Move every operation whose lease ran out to `outcome_unknown`."""
+        self.refresh()
+        now = self._clock()
+        expired = []
+        for row in self.projector.rows(state=OperationState.EXECUTING.value, limit=100_000):
+            operation = self.get(row.operation_id)
+            if operation.lease and operation.lease["expires_at"] <= now:
+                self._update(row.operation_id, lambda op: op.expire_lease(now))
+                expired.append(row.operation_id)
+        return expired
+
+    def cancel(self, operation_id: str, *, by: str, reason: str = "") -> Operation:
+        """Cancel now if nothing runs, ask the executor if it runs, note it if too late."""
+
+        def command(operation: Operation) -> Operation:
+            operation.request_cancel(by=by, reason=reason, now=self._clock())
+            return operation
+
+        return self._update(operation_id, command)
+
+    def start_reconciliation(self, operation_id: str, *, by: str) -> Operation:
+        """Begin settling an unknown outcome."""
+
+        def command(operation: Operation) -> Operation:
+            operation.start_reconciliation(by=by, now=self._clock())
+            return operation
+
+        return self._update(operation_id, command)
+
+    def reconcile(self, operation_id: str, *, by: str, succeeded: bool, **details: Any) -> Operation:
+        """Settle an unknown outcome with what the provider reports."""
+
+        def command(operation: Operation) -> Operation:
+            operation.reconcile(
+                outcome="succeeded" if succeeded else "failed", by=by, now=self._clock(), **details
+            )
+            return operation
+
+        return self._update(operation_id, command)
+
+    # ----------------------------------------------------------------- auditing
+
+    def verify(self, *, expected_head: str | None = None) -> VerificationReport:
+        """Check every event's hash chain and the sealed global digest."""
+        return verify_ledger(
+            self.events.recorder, self.projector.digest_rows(), expected_head=expected_head
+        )
+
+    def export(self, out: IO[bytes]) -> int:
+        """Write the ledger as JSON Lines, sensitive argument values hashed."""
+        return export_jsonl(self.events.recorder, self.checker.catalog, out)
+
+    def close(self) -> None:
+        """Release database connections."""
+        self.db.close()
+        self.events.close()
+
+
+def _grant(operation: Operation, token: int) -> LeaseGrant:
+    assert operation.lease is not None and operation.tool_version is not None
+    return LeaseGrant(
+        operation_id=operation.id,
+        tool=operation.tool,
+        tool_version=operation.tool_version,
+        arguments=dict(operation.arguments or {}),
+        fencing_token=token,
+        attempt=operation.attempt,
+        lease_expires_at=operation.lease["expires_at"],
+        proposal_hash=operation.proposal_hash or "",
+    )
+
+
+def effect_preview(
+    contract: ToolContract, decision: Decision, context: RuntimeContext
+) -> dict[str, Any]:
+    """What an approver sees: the exact effect, not "run the tool?" (seed 001)."""
+    return {
+        "tool": contract.name,
+        "tool_version": contract.version,
+        "summary": contract.description.summary,
+        "effect": contract.effect.value,
+        "reversible": contract.effect.value != "irreversible_write",
+        "risk": decision.risk.value if decision.risk else None,
+        "risk_reasons": list(decision.risk_reasons),
+        "arguments": decision.normalized_arguments,
+        "applied_defaults": list(decision.applied_defaults),
+        "requested_by": context.principal,
+        "tenant": context.tenant,
+        "environment": context.environment,
+        "proposal_hash": decision.proposal_hash,
+    }
