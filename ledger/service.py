@@ -152,9 +152,7 @@ class Ledger:
         """Record and check one proposal. Same ID and call again: the existing operation."""
         return self.submit_many([(proposal, context)])[0]
 
-    def submit_many(
-        self, items: Sequence[tuple[ToolProposal, RuntimeContext]]
-    ) -> list[Submission]:
+    def submit_many(self, items: Sequence[tuple[ToolProposal, RuntimeContext]]) -> list[Submission]:
         """Record and check many proposals with one atomic append (the fast path)."""
         answers: list[Submission | None] = [None] * len(items)
         new: list[tuple[int, Operation, Decision]] = []
@@ -335,7 +333,9 @@ class Ledger:
                 expired.append(row.operation_id)
         return expired
 
-    def claim(self, operation_id: str, *, executor: str, ttl: timedelta | None = None) -> LeaseGrant:
+    def claim(
+        self, operation_id: str, *, executor: str, ttl: timedelta | None = None
+    ) -> LeaseGrant:
         """Lease a ready operation to `executor` with a new fencing token."""
 
         def command(operation: Operation) -> LeaseGrant:
@@ -429,7 +429,9 @@ class Ledger:
 
         return self._update(operation_id, command)
 
-    def reconcile(self, operation_id: str, *, by: str, succeeded: bool, **details: Any) -> Operation:
+    def reconcile(
+        self, operation_id: str, *, by: str, succeeded: bool, **details: Any
+    ) -> Operation:
         """Settle an unknown outcome with what the provider reports."""
 
         def command(operation: Operation) -> Operation:

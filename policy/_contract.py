@@ -186,7 +186,10 @@ class TargetRule(_Frozen):
     with `expected_version_from`, its version must equal that argument.
     """
 
-    argument: str = Field(pattern=r"^(/[^/]+)+$")
+    argument: str = Field(
+        pattern=r"^(/[^/]+)+$",
+        description="JSON pointer; a `*` segment ranges over every item of an array.",
+    )
     kind: str = Field(min_length=1)
     same_source_as: str | None = Field(default=None, pattern=r"^(/[^/]+)+$")
     expected_version_from: str | None = Field(default=None, pattern=r"^(/[^/]+)+$")

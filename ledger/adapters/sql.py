@@ -27,6 +27,7 @@ class SqlDatabase:
         self.storage = storage
         self.is_postgres = storage.is_postgres
         self._lock = threading.RLock()
+        self._depth = 0
         self._conn: sqlite3.Connection | psycopg.Connection[Any]
         if storage.sqlite_path is not None:
             storage.sqlite_path.parent.mkdir(parents=True, exist_ok=True)

@@ -74,13 +74,14 @@ def exported_events(
     tools: dict[str, str] = {}
     for note in _notifications(recorder, 5000):
         state = orjson.loads(note.state)
+        operation_id = str(note.originator_id)
         if "tool" in state and note.originator_version == 1:
-            tools[note.originator_id] = state["tool"]
-        contract = contracts.get(tools.get(note.originator_id, ""))
+            tools[operation_id] = state["tool"]
+        contract = contracts.get(tools.get(operation_id, ""))
         sensitive = contract.sensitive_arguments if contract else ()
         yield {
             "notification_id": note.id,
-            "operation_id": note.originator_id,
+            "operation_id": operation_id,
             "version": note.originator_version,
             "type": note.topic.rsplit(".", 1)[-1],
             "timestamp": state.get("timestamp"),

@@ -108,36 +108,65 @@ def verify_ledger(
     for note in _notifications(recorder, batch):
         report.events_checked += 1
         seen_ids.add(note.id)
-        operation, version = note.originator_id, note.originator_version
+        operation, version = str(note.originator_id), note.originator_version
         try:
             state = orjson.loads(note.state)
         except orjson.JSONDecodeError:
-            findings.append(Finding(FindingKind.MODIFIED, note.id, operation, version,
-                                    "stored state is not JSON"))
+            findings.append(
+                Finding(
+                    FindingKind.MODIFIED, note.id, operation, version, "stored state is not JSON"
+                )
+            )
             continue
         if state.get("originator_id") != operation or state.get("originator_version") != version:
-            findings.append(Finding(FindingKind.MISLABELED, note.id, operation, version,
-                                    "row and stored event disagree on operation or version"))
+            findings.append(
+                Finding(
+                    FindingKind.MISLABELED,
+                    note.id,
+                    operation,
+                    version,
+                    "row and stored event disagree on operation or version",
+                )
+            )
         event_hash = state_hash(note.topic, state)
 
         expected_version = last_version.get(operation, 0) + 1
         if version != expected_version:
-            findings.append(Finding(
-                FindingKind.VERSION_GAP, note.id, operation, version,
-                f"expected version {expected_version} after {expected_version - 1}",
-            ))
+            findings.append(
+                Finding(
+                    FindingKind.VERSION_GAP,
+                    note.id,
+                    operation,
+                    version,
+                    f"expected version {expected_version} after {expected_version - 1}",
+                )
+            )
         previous = last_hash.get(operation, GENESIS_HASH) if version == expected_version else None
         if previous is not None and state.get("prev_hash") != previous:
-            findings.append(Finding(FindingKind.CHAIN_BROKEN, note.id, operation, version,
-                                    "prev_hash is not the hash of the event before it"))
+            findings.append(
+                Finding(
+                    FindingKind.CHAIN_BROKEN,
+                    note.id,
+                    operation,
+                    version,
+                    "prev_hash is not the hash of the event before it",
+                )
+            )
         last_hash[operation] = event_hash
         last_version[operation] = version
 
         seal_row = sealed.get(note.id)
         if seal_row is None:
             if seal and note.id <= seal[-1][0]:
-                findings.append(Finding(FindingKind.INSERTED, note.id, operation, version,
-                                        "event is not in the sealed digest chain"))
+                findings.append(
+                    Finding(
+                        FindingKind.INSERTED,
+                        note.id,
+                        operation,
+                        version,
+                        "event is not in the sealed digest chain",
+                    )
+                )
             else:
                 report.unsealed_events += 1
             continue
@@ -145,26 +174,61 @@ def verify_ledger(
         if seal_row[3] != event_hash:
             elsewhere = sealed_position_of_hash.get(event_hash)
             if elsewhere is not None and elsewhere != note.id:
-                findings.append(Finding(FindingKind.REORDERED, note.id, operation, version,
-                                        f"this event was sealed at #{elsewhere}"))
+                findings.append(
+                    Finding(
+                        FindingKind.REORDERED,
+                        note.id,
+                        operation,
+                        version,
+                        f"this event was sealed at #{elsewhere}",
+                    )
+                )
             else:
-                findings.append(Finding(FindingKind.MODIFIED, note.id, operation, version,
-                                        "event hash differs from the sealed hash"))
+                findings.append(
+                    Finding(
+                        FindingKind.MODIFIED,
+                        note.id,
+                        operation,
+                        version,
+                        "event hash differs from the sealed hash",
+                    )
+                )
 
     for notification_id, operation, version, event_hash, running in seal:
         if notification_id not in seen_ids:
-            findings.append(Finding(FindingKind.DELETED, notification_id, operation, version,
-                                    "a sealed event is missing"))
+            findings.append(
+                Finding(
+                    FindingKind.DELETED,
+                    notification_id,
+                    operation,
+                    version,
+                    "a sealed event is missing",
+                )
+            )
         # The seal must be a chain of itself, or someone rewrote it.
         digest = chain_digest(digest, event_hash)
         if running != digest:
-            findings.append(Finding(FindingKind.MODIFIED, notification_id, operation, version,
-                                    "the sealed running digest does not recompute"))
+            findings.append(
+                Finding(
+                    FindingKind.MODIFIED,
+                    notification_id,
+                    operation,
+                    version,
+                    "the sealed running digest does not recompute",
+                )
+            )
             digest = running
     report.operations_checked = len(last_version)
     report.head_digest = seal[-1][4] if seal else GENESIS_HASH
     if expected_head is not None and report.head_digest != expected_head:
-        findings.append(Finding(FindingKind.HEAD_MISMATCH, None, "", None,
-                                "the sealed head digest is not the one expected"))
+        findings.append(
+            Finding(
+                FindingKind.HEAD_MISMATCH,
+                None,
+                "",
+                None,
+                "the sealed head digest is not the one expected",
+            )
+        )
     findings.sort(key=lambda f: (f.notification_id is None, f.notification_id or 0))
     return report

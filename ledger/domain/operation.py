@@ -39,23 +39,48 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
     "request_approval": frozenset({S.VALIDATED}),
     "mark_ready": frozenset({S.VALIDATED}),
     "grant_approval": frozenset(
-        {S.AWAITING_APPROVAL, S.READY, S.EXECUTING, S.CANCEL_REQUESTED, S.SUCCEEDED,
-         S.FAILED, S.OUTCOME_UNKNOWN, S.RECONCILING}
+        {
+            S.AWAITING_APPROVAL,
+            S.READY,
+            S.EXECUTING,
+            S.CANCEL_REQUESTED,
+            S.SUCCEEDED,
+            S.FAILED,
+            S.OUTCOME_UNKNOWN,
+            S.RECONCILING,
+        }
     ),
     "deny_approval": frozenset({S.AWAITING_APPROVAL}),
     "expire_approval": frozenset({S.AWAITING_APPROVAL}),
     "claim_lease": frozenset({S.READY}),
     "expire_lease": frozenset({S.EXECUTING, S.CANCEL_REQUESTED}),
     "record_result": frozenset(
-        {S.READY, S.EXECUTING, S.CANCEL_REQUESTED, S.OUTCOME_UNKNOWN, S.RECONCILING,
-         S.SUCCEEDED, S.FAILED, S.CANCELLED}
+        {
+            S.READY,
+            S.EXECUTING,
+            S.CANCEL_REQUESTED,
+            S.OUTCOME_UNKNOWN,
+            S.RECONCILING,
+            S.SUCCEEDED,
+            S.FAILED,
+            S.CANCELLED,
+        }
     ),
     "start_reconciliation": frozenset({S.OUTCOME_UNKNOWN}),
     "reconcile": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING}),
     "schedule_retry": frozenset({S.FAILED}),
     "request_cancel": frozenset(
-        {S.PROPOSED, S.VALIDATED, S.AWAITING_APPROVAL, S.READY, S.EXECUTING,
-         S.CANCEL_REQUESTED, S.SUCCEEDED, S.FAILED, S.CANCELLED}
+        {
+            S.PROPOSED,
+            S.VALIDATED,
+            S.AWAITING_APPROVAL,
+            S.READY,
+            S.EXECUTING,
+            S.CANCEL_REQUESTED,
+            S.SUCCEEDED,
+            S.FAILED,
+            S.CANCELLED,
+        }
     ),
     "confirm_cancelled": frozenset({S.CANCEL_REQUESTED}),
 }
@@ -706,8 +731,9 @@ class Operation(BaseAggregate[str]):
         if self.state in TERMINAL_STATES or self.state is S.READY:
             return self._late_result(fencing_token, executor, outcome, output_hash, now)
         if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING):
-            self._reconcile(outcome, executor, now, output_hash, result_ref, code, category,
-                            retryable)
+            self._reconcile(
+                outcome, executor, now, output_hash, result_ref, code, category, retryable
+            )
             return ResultDisposition.ACCEPTED
         if outcome == "succeeded":
             if self.cancel_requested:
@@ -837,8 +863,9 @@ class Operation(BaseAggregate[str]):
         if self.state in (S.SUCCEEDED, S.FAILED):
             self._trigger(self.CancelTooLate, now, by=by, outcome=self.state.value)
             return
+        running = self.state is S.EXECUTING
         self._trigger(self.CancelRequested, now, by=by, reason=reason)
-        if self.state is not S.CANCEL_REQUESTED:
+        if not running:
             self._trigger(self.Cancelled, now, by=by)
 
     def confirm_cancelled(self, *, by: str, now: datetime) -> None:

@@ -153,9 +153,9 @@ class OperationsProjector:
 
     def position(self) -> int:
         """The last notification ID the view includes."""
-        return int(self._db.query(
-            "SELECT position FROM opledger_positions WHERE name = ?", (_NAME,)
-        )[0][0])
+        return int(
+            self._db.query("SELECT position FROM opledger_positions WHERE name = ?", (_NAME,))[0][0]
+        )
 
     def catch_up(self) -> int:
         """Project every notification not yet in the view; returns how many."""
@@ -170,17 +170,18 @@ class OperationsProjector:
         db = self._db
         with db.transaction():
             lock = " FOR UPDATE" if db.is_postgres else ""
-            position = int(db.query(
-                f"SELECT position FROM opledger_positions WHERE name = ?{lock}", (_NAME,)
-            )[0][0])
+            position = int(
+                db.query(f"SELECT position FROM opledger_positions WHERE name = ?{lock}", (_NAME,))[
+                    0
+                ][0]
+            )
             notifications = self._recorder.select_notifications(
                 start=position, limit=self._batch_size, inclusive_of_start=False
             )
             if not notifications:
                 return 0
             digest_rows = db.query(
-                "SELECT running_digest FROM opledger_digest"
-                " ORDER BY notification_id DESC LIMIT 1"
+                "SELECT running_digest FROM opledger_digest ORDER BY notification_id DESC LIMIT 1"
             )
             digest = digest_rows[0][0] if digest_rows else GENESIS_HASH
             digests: list[tuple[Any, ...]] = []
@@ -188,10 +189,15 @@ class OperationsProjector:
                 state = orjson.loads(notification.state)
                 event_hash = state_hash(notification.topic, state)
                 digest = chain_digest(digest, event_hash)
-                digests.append((
-                    notification.id, notification.originator_id,
-                    notification.originator_version, event_hash, digest,
-                ))
+                digests.append(
+                    (
+                        notification.id,
+                        notification.originator_id,
+                        notification.originator_version,
+                        event_hash,
+                        digest,
+                    )
+                )
                 self._apply(notification, state)
             db.executemany(
                 "INSERT INTO opledger_digest"
@@ -213,8 +219,15 @@ class OperationsProjector:
             self._db.execute(
                 "INSERT INTO opledger_operations (operation_id, state, tool, actor, tenant,"
                 " created_at, updated_at, last_version) VALUES (?, 'proposed', ?, ?, ?, ?, ?, ?)",
-                (operation_id, state["tool"], state["actor"], state["tenant"], timestamp,
-                 timestamp, notification.originator_version),
+                (
+                    operation_id,
+                    state["tool"],
+                    state["actor"],
+                    state["tenant"],
+                    timestamp,
+                    timestamp,
+                    notification.originator_version,
+                ),
             )
             return
         columns: dict[str, Any] = {
@@ -223,7 +236,9 @@ class OperationsProjector:
         }
         for column, value in _STATE_CHANGES.get(kind, {}).items():
             columns[column] = value(state) if callable(value) else value
-        increment = ", approvals_granted = approvals_granted + 1" if kind == "ApprovalGranted" else ""
+        increment = (
+            ", approvals_granted = approvals_granted + 1" if kind == "ApprovalGranted" else ""
+        )
         if kind == "CancelRequested":
             increment = (
                 ", state = CASE WHEN state = 'executing' THEN 'cancel_requested' ELSE state END"
@@ -276,11 +291,13 @@ class OperationsProjector:
 
     def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
         """Operations proposed by `actor` for `tool` at or after `since` (for budgets)."""
-        return int(self._db.query(
-            "SELECT COUNT(*) FROM opledger_operations"
-            " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?",
-            (tenant, actor, tool, _iso(since)),
-        )[0][0])
+        return int(
+            self._db.query(
+                "SELECT COUNT(*) FROM opledger_operations"
+                " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?",
+                (tenant, actor, tool, _iso(since)),
+            )[0][0]
+        )
 
     def digest_rows(self) -> Sequence[tuple[int, str, int, str, str]]:
         """The digest chain: (notification ID, operation, version, event hash, digest)."""

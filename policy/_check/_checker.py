@@ -112,6 +112,11 @@ class ProposalChecker:
                     )
                 ],
             )
+        # A forbidden tool is refused before anything else: its callers learn
+        # nothing about their arguments or about the targets they name.
+        forbidden = approval_requirement(contract, contract.risk.base)
+        if isinstance(forbidden, ValidationIssue):
+            return self._reject(proposal, contract, [forbidden])
         if arguments is None:
             return self._reject(proposal, contract, issues)
 
@@ -142,16 +147,20 @@ class ProposalChecker:
             )
 
         now = self._clock()
-        targets, issues = check_semantics(
-            contract,
-            normalized,
-            context,
-            resolver=self._resolver,
-            rules=self._rules.get(contract.name, ()),
-            now=now,
-        )
+        # Authorization (stage 5) runs before target resolution (stage 4) on
+        # purpose: a caller without the capability must not be able to probe
+        # which targets exist.
+        issues = check_authorization(contract, context)
+        targets: dict[str, Any] = {}
         if not issues:
-            issues = check_authorization(contract, context)
+            targets, issues = check_semantics(
+                contract,
+                normalized,
+                context,
+                resolver=self._resolver,
+                rules=self._rules.get(contract.name, ()),
+                now=now,
+            )
         if issues:
             return self._reject(proposal, contract, issues, normalized, applied, hashed)
 

@@ -47,9 +47,18 @@ def _holds(
         not isinstance(value, list | str | dict) or len(value) <= condition.count_gt
     ):
         return False
-    if condition.equals is not None and value != condition.equals:
+    if condition.equals is not None and not _same(value, condition.equals):
         return False
-    return not (condition.one_of is not None and value not in condition.one_of)
+    return not (
+        condition.one_of is not None and not any(_same(value, o) for o in condition.one_of)
+    )
+
+
+def _same(left: Any, right: Any) -> bool:
+    """JSON equality: `true` is not `1`, unlike Python's `==`."""
+    return (type(left) is type(right) and left == right) or (
+        _number(left) is not None and _number(right) is not None and left == right
+    )
 
 
 def assess_risk(

@@ -34,45 +34,53 @@ def _issue(
     )
 
 
+def _expand(arguments: Mapping[str, Any], pointer: str) -> list[tuple[str, Any]]:
+    """(concrete pointer, value) for a pointer whose `*` segments range over array items."""
+    if "/*" not in pointer:
+        return [(pointer, resolve_pointer(arguments, pointer))]
+    head, _, tail = pointer.partition("/*")
+    items = resolve_pointer(arguments, head)
+    if not isinstance(items, list):
+        return []
+    found: list[tuple[str, Any]] = []
+    for index in range(len(items)):
+        found.extend(_expand(arguments, f"{head}/{index}{tail}"))
+    return found
+
+
 def _resolve_target(
     rule: TargetRule,
+    pointer: str,
+    target_id: Any,
     arguments: Mapping[str, Any],
     context: RuntimeContext,
     resolver: TargetResolver,
 ) -> tuple[Target | None, list[ValidationIssue]]:
-    target_id = resolve_pointer(arguments, rule.argument)
     if target_id is MISSING or target_id is None:
         return None, []  # optional argument not given; the schema decides if it is required
     target = resolver.resolve(rule.kind, str(target_id), context)
+    not_found = _issue(
+        "TARGET_NOT_FOUND",
+        pointer,
+        f"no {rule.kind} '{target_id}' is visible to this caller",
+        category=ErrorCategory.NOT_FOUND,
+        repairable=True,
+        actual=str(target_id),
+    )
     if target is None or target.tenant != context.tenant:
-        return None, [
-            _issue(
-                "TARGET_NOT_FOUND",
-                rule.argument,
-                f"no {rule.kind} '{target_id}' is visible to this caller",
-                category=ErrorCategory.NOT_FOUND,
-                repairable=True,
-                actual=str(target_id),
-            )
-        ]
+        return None, [not_found]
     issues: list[ValidationIssue] = []
     if rule.must_be_owned_by_actor and target.owner != context.principal:
-        issues.append(
-            _issue(
-                "TARGET_NOT_OWNED",
-                rule.argument,
-                f"{rule.kind} '{target_id}' does not belong to the requesting user",
-                category=ErrorCategory.POLICY_DENIED,
-                repairable=False,
-            )
-        )
+        # Another user's resource is reported like a missing one: the caller
+        # learns nothing about what others own.
+        return None, [not_found]
     if rule.same_source_as is not None:
         expected = resolve_pointer(arguments, rule.same_source_as)
         if expected is not MISSING and target.source_id != expected:
             issues.append(
                 _issue(
                     "SOURCE_MISMATCH",
-                    rule.argument,
+                    pointer,
                     f"{rule.kind} '{target_id}' belongs to another source",
                     category=ErrorCategory.INVALID_INPUT,
                     repairable=True,
@@ -126,11 +134,14 @@ def check_semantics(
         )
         return targets, issues
     for rule in contract.targets:
-        assert resolver is not None
-        target, found = _resolve_target(rule, arguments, context, resolver)
-        if target is not None:
-            targets[rule.argument] = target
-        issues.extend(found)
+        assert resolver is not None  # checked above whenever there are targets
+        for pointer, target_id in _expand(arguments, rule.argument):
+            target, found = _resolve_target(
+                rule, pointer, target_id, arguments, context, resolver
+            )
+            if target is not None:
+                targets[pointer] = target
+            issues.extend(found)
     if issues:
         # Cross-field rules assume their targets resolved; running them now
         # would only add noise to the repair feedback.

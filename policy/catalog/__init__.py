@@ -370,7 +370,7 @@ def sample_targets() -> list[Target]:
     (revision 8); snapshots `snap-a-7`, `snap-a-8` of document-a and `snap-b-8`
     of document-b (seed 004); orders `order-1001`, `order-1003` (already
     refunded) and `order-1004` (a large one) of `alice`, `order-1002` of `bob`;
-    customers `cus-0001` to `cus-0003`.
+    customers `cus-0001` to `cus-0600`.
     Tenant `globex`: `document-g`, `snap-g-1`, `order-2001` of `carol` and
     customer `cus-9001`, invisible to acme callers.
     """
@@ -500,5 +500,10 @@ def sample_targets() -> list[Target]:
         Target(kind="customer", id="cus-0001", tenant="acme", attributes={"name": "Alice"}),
         Target(kind="customer", id="cus-0002", tenant="acme", attributes={"name": "Bob"}),
         Target(kind="customer", id="cus-0003", tenant="acme", attributes={"name": "Dana"}),
+        # A customer base large enough for seed 001's 500-recipient mailing.
+        *(
+            Target(kind="customer", id=f"cus-{n:04d}", tenant="acme", attributes={"name": f"C{n}"})
+            for n in range(4, 601)
+        ),
         Target(kind="customer", id="cus-9001", tenant="globex", attributes={"name": "Carol"}),
     ]

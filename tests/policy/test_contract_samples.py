@@ -281,9 +281,12 @@ def _object_schemas(schema: Any, pointer: str = "") -> Iterator[tuple[str, dict[
 
 
 def _schema_at(schema: dict[str, Any], argument_pointer: str) -> dict[str, Any] | None:
-    """The sub-schema of the property an argument pointer names, following `properties`."""
+    """The sub-schema an argument pointer names, following `properties` (and `items` for `*`)."""
     current: dict[str, Any] | None = schema
     for part in argument_pointer.split("/")[1:]:
+        if part == "*":
+            current = current.get("items") if current else None
+            continue
         properties = current.get("properties", {}) if current else {}
         current = properties.get(part)
     return current

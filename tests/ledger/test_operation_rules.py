@@ -1,0 +1,241 @@
+"""The Operation aggregate's rules: approvals bound to hashes, fencing, convergence, hashes."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import pytest
+
+from ledger import IllegalTransition, Operation, OperationState, ResultDisposition, TamperDetected
+from tests.ledger.test_state_machine import T0, _awaiting, _executing, _ready
+
+S = OperationState
+APPROVER = frozenset({"approver"})
+
+
+def _types(operation: Operation) -> list[str]:
+    return [type(event).__name__ for event in operation.collect_events()]
+
+
+def _two_person() -> Operation:
+    op = _awaiting()
+    assert op.approval is not None
+    op.approval["required_approvals"] = 2  # as if requested with a two-person policy
+    op.collect_events()
+    return op
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"proposal_hash": "other"}, "proposal_hash_mismatch"),
+        ({"approver": "alice"}, "requester_cannot_approve"),
+        ({"approver_roles": frozenset({"viewer"})}, "not_an_approver"),
+        ({"approval_id": "apr-forged"}, "unknown_approval"),
+    ],
+)
+def test_refused_approvals_are_recorded_and_change_nothing(kwargs: dict, reason: str) -> None:
+    op = _awaiting()
+    op.collect_events()
+    arguments = {
+        "approval_id": "apr-1",
+        "approver": "bob",
+        "approver_roles": APPROVER,
+        "proposal_hash": "h",
+        "now": T0,
+    } | kwargs
+    assert op.grant_approval(**arguments) == reason
+    events = op.collect_events()
+    assert [type(e).__name__ for e in events] == ["ApprovalRefused"]
+    assert events[0].reason == reason  # type: ignore[attr-defined]
+    assert op.state is S.AWAITING_APPROVAL
+    assert op.approvers == []
+
+
+def test_expired_approval_is_refused_and_expires_the_operation() -> None:
+    op = _awaiting()
+    op.collect_events()
+    refusal = op.grant_approval(
+        approval_id="apr-1",
+        approver="bob",
+        approver_roles=APPROVER,
+        proposal_hash="h",
+        now=T0 + timedelta(minutes=16),
+    )
+    assert refusal == "expired"
+    assert _types(op) == ["ApprovalRefused", "ApprovalExpired"]
+    assert op.state is S.APPROVAL_EXPIRED
+
+
+def test_a_consumed_approval_cannot_be_used_again() -> None:
+    op = _awaiting()
+    assert (
+        op.grant_approval(
+            approval_id="apr-1", approver="bob", approver_roles=APPROVER, proposal_hash="h", now=T0
+        )
+        is None
+    )
+    assert op.state is S.READY
+    op.collect_events()
+    again = op.grant_approval(
+        approval_id="apr-1", approver="carol", approver_roles=APPROVER, proposal_hash="h", now=T0
+    )
+    assert again == "approval_consumed"
+    assert _types(op) == ["ApprovalRefused"]
+    assert op.state is S.READY
+
+
+def test_two_person_policy_needs_two_distinct_approvers() -> None:
+    op = _two_person()
+    grant = {"approval_id": "apr-1", "approver_roles": APPROVER, "proposal_hash": "h", "now": T0}
+    assert op.grant_approval(approver="bob", **grant) is None
+    assert op.state is S.AWAITING_APPROVAL
+    assert op.grant_approval(approver="bob", **grant) == "duplicate_approver"
+    assert op.state is S.AWAITING_APPROVAL
+    assert op.grant_approval(approver="carol", **grant) is None
+    assert op.state is S.READY
+    assert op.approvers == ["bob", "carol"]
+
+
+def test_each_claim_gets_a_larger_fencing_token_and_history_keeps_every_lease() -> None:
+    op = _executing()
+    assert op.fencing_token == 1
+    op.record_result(
+        fencing_token=1,
+        executor="e",
+        outcome="failed",
+        code="TIMEOUT",
+        category="TRANSIENT",
+        retryable=True,
+        now=T0,
+    )
+    op.schedule_retry(not_before=T0, now=T0)
+    token = op.claim_lease(executor="e2", ttl=timedelta(seconds=30), now=T0)
+    assert token == 2
+    assert op.attempt == 2
+    assert [lease["fencing_token"] for lease in op.leases] == [1, 2]
+    assert [lease["executor"] for lease in op.leases] == ["e", "e2"]
+
+
+def test_a_stale_executor_result_is_recorded_and_changes_nothing() -> None:
+    op = _executing()
+    op.record_result(
+        fencing_token=1,
+        executor="e",
+        outcome="failed",
+        code="TIMEOUT",
+        category="TRANSIENT",
+        retryable=True,
+        now=T0,
+    )
+    op.schedule_retry(not_before=T0, now=T0)
+    op.claim_lease(executor="e2", ttl=timedelta(seconds=30), now=T0)
+    op.collect_events()
+    stale = op.record_result(
+        fencing_token=1, executor="e", outcome="succeeded", output_hash="x", now=T0
+    )
+    assert stale is ResultDisposition.STALE
+    assert _types(op) == ["StaleResultRecorded"]
+    assert op.state is S.EXECUTING
+
+
+def test_the_same_result_twice_converges_and_a_different_one_is_only_recorded() -> None:
+    op = _executing()
+    first = op.record_result(
+        fencing_token=1, executor="e", outcome="succeeded", output_hash="out-1", now=T0
+    )
+    assert first is ResultDisposition.ACCEPTED
+    op.collect_events()
+    again = op.record_result(
+        fencing_token=1, executor="e", outcome="succeeded", output_hash="out-1", now=T0
+    )
+    assert again is ResultDisposition.DUPLICATE
+    assert op.collect_events() == []
+    other = op.record_result(
+        fencing_token=1, executor="e", outcome="failed", code="X", category="INTERNAL", now=T0
+    )
+    assert other is ResultDisposition.CONFLICTING
+    assert _types(op) == ["ConflictingOutcomeRecorded"]
+    assert op.state is S.SUCCEEDED
+    assert op.outcome is not None
+    assert op.outcome["output_hash"] == "out-1"
+
+
+def test_retry_needs_a_retryable_category_and_attempts_left() -> None:
+    op = _executing()
+    op.record_result(
+        fencing_token=1,
+        executor="e",
+        outcome="failed",
+        code="BAD",
+        category="INVALID_INPUT",
+        retryable=False,
+        now=T0,
+    )
+    with pytest.raises(IllegalTransition):
+        op.schedule_retry(not_before=T0, now=T0)
+    op = _executing()  # max_attempts is 3 in these fixtures
+    for token in (1, 2, 3):
+        op.record_result(
+            fencing_token=token,
+            executor="e",
+            outcome="failed",
+            code="TIMEOUT",
+            category="TRANSIENT",
+            retryable=True,
+            now=T0,
+        )
+        if token < 3:
+            op.schedule_retry(not_before=T0, now=T0)
+            op.claim_lease(executor="e", ttl=timedelta(seconds=30), now=T0)
+    assert not op.can_retry
+    with pytest.raises(IllegalTransition):
+        op.schedule_retry(not_before=T0, now=T0)
+
+
+def test_cancel_while_running_then_success_is_too_late() -> None:
+    op = _executing()
+    op.request_cancel(by="alice", reason="changed my mind", now=T0)
+    assert op.state is S.CANCEL_REQUESTED
+    op.collect_events()
+    op.record_result(fencing_token=1, executor="e", outcome="succeeded", output_hash="o", now=T0)
+    assert _types(op) == ["CancelTooLate", "Succeeded"]
+    assert op.state is S.SUCCEEDED
+
+
+def test_cancel_before_running_is_immediate() -> None:
+    op = _ready()
+    op.collect_events()
+    op.request_cancel(by="alice", reason="", now=T0)
+    assert _types(op) == ["CancelRequested", "Cancelled"]
+    with pytest.raises(IllegalTransition):
+        op.claim_lease(executor="e", ttl=timedelta(seconds=5), now=T0)
+
+
+def test_lease_cannot_expire_early() -> None:
+    op = _executing()
+    with pytest.raises(IllegalTransition):
+        op.expire_lease(T0 + timedelta(seconds=29))
+    op.expire_lease(T0 + timedelta(seconds=30))
+    assert op.state is S.OUTCOME_UNKNOWN
+
+
+def test_events_chain_by_hash_and_replay_detects_a_broken_link() -> None:
+    op = _executing()
+    events = op.collect_events()
+    assert events[0].prev_hash == "0" * 64  # type: ignore[attr-defined]
+    for before, after in itertools.pairwise(events):
+        from ledger.domain.events import event_hash
+
+        assert after.prev_hash == event_hash(before)  # type: ignore[attr-defined]
+    rebuilt = None
+    for event in events:
+        rebuilt = event.mutate(rebuilt)
+    assert rebuilt is not None
+    assert rebuilt.head_hash == op.head_hash
+    forged = events[2].model_copy(update={"prev_hash": "f" * 64})  # type: ignore[attr-defined]
+    rebuilt = None
+    with pytest.raises(TamperDetected):
+        for event in [*events[:2], forged]:
+            rebuilt = event.mutate(rebuilt)
