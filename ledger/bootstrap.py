@@ -46,11 +46,8 @@ def build_ledger(
     db = SqlDatabase(storage)  # first: it creates the PostgreSQL schema the events use
     events = EventStoreApp(storage)
     projector = OperationsProjector(db, events.recorder)
-    checker = ProposalChecker(
-        catalog,
-        resolver=resolver,
-        rules=rules,
-        budget=LedgerBudgetCounter(projector),
-        clock=clock,
+    budget = LedgerBudgetCounter(projector)
+    checker = ProposalChecker(catalog, resolver=resolver, rules=rules, budget=budget, clock=clock)
+    return Ledger(
+        events=events, db=db, checker=checker, projector=projector, budget=budget, clock=clock
     )
-    return Ledger(events=events, db=db, checker=checker, projector=projector, clock=clock)

@@ -23,6 +23,7 @@ from ledger.adapters.results import ResultStore
 from ledger.adapters.sql import SqlDatabase
 from ledger.audit.export import export_jsonl
 from ledger.audit.verify import VerificationReport, verify_ledger
+from ledger.budget import LedgerBudgetCounter
 from ledger.domain.errors import ApprovalRefused, OperationConflict, OperationNotFound
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState, ResultDisposition
@@ -103,6 +104,7 @@ class Ledger:
         db: SqlDatabase,
         checker: ProposalChecker,
         projector: OperationsProjector | None = None,
+        budget: LedgerBudgetCounter | None = None,
         clock: Callable[[], datetime] = _utcnow,
         new_id: Callable[[], str] = lambda: f"op-{uuid.uuid4()}",
         lease_ttl: timedelta = timedelta(seconds=60),
@@ -113,6 +115,7 @@ class Ledger:
         self.checker = checker
         self.projector = projector or OperationsProjector(db, events.recorder)
         self.results = ResultStore(db)
+        self._budget = budget
         self._clock = clock
         self._new_id = new_id
         self._lease_ttl = lease_ttl
@@ -142,6 +145,13 @@ class Ledger:
             return None
         return contract
 
+    @property
+    def events_table(self) -> str:
+        """The name of the table that holds the events (for auditors' direct reads)."""
+        # Both SQL recorders have this attribute; the abstract recorder type does not.
+        name = getattr(self.events.recorder, "events_table_name", "stored_events")
+        return str(name).rsplit(".", 1)[-1]
+
     def refresh(self) -> int:
         """Bring the read models up to date with the event log."""
         return self.projector.catch_up()
@@ -153,43 +163,64 @@ class Ledger:
         return self.submit_many([(proposal, context)])[0]
 
     def submit_many(self, items: Sequence[tuple[ToolProposal, RuntimeContext]]) -> list[Submission]:
-        """Record and check many proposals with one atomic append (the fast path)."""
+        """Record and check many proposals with one atomic append (the fast path).
+
+        Raises (and appends nothing) if any item conflicts with an existing operation.
+        """
+        try:
+            return self._submit_many(items)
+        finally:
+            if self._budget is not None:
+                self._budget.clear_pending()
+
+    def _submit_many(
+        self, items: Sequence[tuple[ToolProposal, RuntimeContext]]
+    ) -> list[Submission]:
         answers: list[Submission | None] = [None] * len(items)
         new: list[tuple[int, Operation, Decision]] = []
-        seen: dict[str, int] = {}
+        fresh: dict[str, tuple[int, str]] = {}
         for index, (proposal, context) in enumerate(items):
             operation_id = proposal.operation_id or self._new_id()
             print_ = fingerprint(proposal, context)
+            if operation_id in fresh:
+                # The same ID twice in one batch: a redelivery, or a conflict.
+                first, first_print = fresh[operation_id]
+                if first_print != print_:
+                    raise OperationConflict(
+                        "this operation ID belongs to a different call", operation_id=operation_id
+                    )
+                answers[index] = Submission(operation_id, new[first][1].state, None, False)
+                continue
             if proposal.operation_id is not None:
                 existing = self._existing(operation_id, print_)
                 if existing is not None:
                     answers[index] = existing
                     continue
-            if operation_id in seen:
-                raise OperationConflict(
-                    "the same operation ID twice in one batch", operation_id=operation_id
-                )
-            seen[operation_id] = index
             operation, decision = self._new_operation(operation_id, proposal, context, print_)
+            fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
+            if self._budget is not None and decision.outcome is not DecisionOutcome.REJECTED:
+                self._budget.note_pending(
+                    tenant=context.tenant, actor=context.principal, tool=decision.tool
+                )
         if new:
             try:
                 self.events.save(*(operation for _, operation, _ in new))
             except IntegrityError:
-                # Someone created one of these IDs meanwhile: settle them one by one.
-                if len(new) == 1:
-                    index, operation, _ = new[0]
-                    proposal, context = items[index]
-                    existing = self._existing(operation.id, fingerprint(proposal, context))
-                    assert existing is not None
-                    answers[index] = existing
-                    return [a for a in answers if a is not None]
-                for index, _, _ in new:
-                    answers[index] = self.submit(*items[index])
-                return [a for a in answers if a is not None]
+                # Another writer created one of these IDs meanwhile: settle one by one.
+                if self._budget is not None:
+                    self._budget.clear_pending()
+                return [self._submit_after_race(*item) for item in items]
             for index, operation, decision in new:
                 answers[index] = Submission(operation.id, operation.state, decision, True)
-        return [a for a in answers if a is not None]
+        return [answer for answer in answers if answer is not None]
+
+    def _submit_after_race(self, proposal: ToolProposal, context: RuntimeContext) -> Submission:
+        if proposal.operation_id is not None:
+            existing = self._existing(proposal.operation_id, fingerprint(proposal, context))
+            if existing is not None:
+                return existing
+        return self._submit_many([(proposal, context)])[0]
 
     def _existing(self, operation_id: str, print_: str) -> Submission | None:
         try:
@@ -446,8 +477,14 @@ class Ledger:
 
     def verify(self, *, expected_head: str | None = None) -> VerificationReport:
         """Check every event's hash chain and the sealed global digest."""
+        stored_keys = self.db.query(
+            f"SELECT originator_id, originator_version FROM {self.events_table}"
+        )
         return verify_ledger(
-            self.events.recorder, self.projector.digest_rows(), expected_head=expected_head
+            self.events.recorder,
+            self.projector.digest_rows(),
+            stored_keys=[(str(key[0]), int(key[1])) for key in stored_keys],
+            expected_head=expected_head,
         )
 
     def export(self, out: IO[bytes]) -> int:

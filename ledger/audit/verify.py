@@ -19,7 +19,7 @@ rewrote the seal itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -92,16 +92,23 @@ def verify_ledger(
     recorder: ApplicationRecorder,
     seal: Sequence[tuple[int, str, int, str, str]],
     *,
+    stored_keys: Iterable[tuple[str, int]] = (),
     expected_head: str | None = None,
     batch: int = 5000,
 ) -> VerificationReport:
-    """Verify every stored event against its chain and the sealed digest."""
+    """Verify every stored event against its chain and the sealed digest.
+
+    `stored_keys` are the (operation, version) pairs of every row in the events
+    table, read directly: a row slipped in outside the notification order (a
+    negative or zero position) is invisible to the log but not to replay.
+    """
     report = VerificationReport()
     sealed = {row[0]: row for row in seal}
     sealed_position_of_hash = {row[3]: row[0] for row in seal}
     last_hash: dict[str, str] = {}
     last_version: dict[str, int] = {}
     seen_ids: set[int] = set()
+    seen_keys: set[tuple[str, int]] = set()
     digest = GENESIS_HASH
     findings = report.findings
 
@@ -109,6 +116,7 @@ def verify_ledger(
         report.events_checked += 1
         seen_ids.add(note.id)
         operation, version = str(note.originator_id), note.originator_version
+        seen_keys.add((operation, version))
         try:
             state = orjson.loads(note.state)
         except orjson.JSONDecodeError:
@@ -218,6 +226,10 @@ def verify_ledger(
                 )
             )
             digest = running
+    for operation, version in stored_keys:
+        if (str(operation), int(version)) not in seen_keys:
+            findings.append(Finding(FindingKind.INSERTED, None, str(operation), int(version),
+                                    "a stored event is outside the notification order"))
     report.operations_checked = len(last_version)
     report.head_digest = seal[-1][4] if seal else GENESIS_HASH
     if expected_head is not None and report.head_digest != expected_head:

@@ -290,11 +290,16 @@ class OperationsProjector:
         return OperationRow(*rows[0]) if rows else None
 
     def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
-        """Operations proposed by `actor` for `tool` at or after `since` (for budgets)."""
+        """Accepted operations of `actor` for `tool` since `since` (for budgets).
+
+        Rejected proposals do not count: a model repairing its arguments should
+        not use up the caller's budget.
+        """
         return int(
             self._db.query(
                 "SELECT COUNT(*) FROM opledger_operations"
-                " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?",
+                " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?"
+            " AND state <> 'rejected'",
                 (tenant, actor, tool, _iso(since)),
             )[0][0]
         )

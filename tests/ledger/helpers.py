@@ -1,0 +1,95 @@
+"""Builders for ledger tests: a ledger over a storage, proposals, contexts, results."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from ledger import Ledger, StorageConfig, build_ledger
+from policy import ContractRegistry, InMemoryTargetResolver
+from policy.catalog import SAMPLE_RULES, sample_targets
+from schemas import Provenance, ResultEnvelope, RuntimeContext, ToolProposal
+
+ALICE = RuntimeContext(
+    principal="alice",
+    tenant="acme",
+    capabilities=frozenset(
+        {"documents:search", "documents:read", "email:send", "orders:read", "tickets:write",
+         "refunds:request"}
+    ),
+)
+
+
+def make_ledger(storage: StorageConfig, **kwargs: Any) -> Ledger:
+    """A ledger over `storage` with the sample catalog and fake world."""
+    kwargs.setdefault("resolver", InMemoryTargetResolver(sample_targets()))
+    kwargs.setdefault("rules", SAMPLE_RULES)
+    return build_ledger(storage, **kwargs)
+
+
+def proposal(tool: str, arguments: Any, *, operation_id: str | None = None, **extra: Any
+             ) -> ToolProposal:
+    """A proposal of `tool` with `arguments`."""
+    return ToolProposal(
+        proposal_id=extra.pop("proposal_id", f"p-{operation_id or tool}"),
+        conversation_id="c-1",
+        requested_by_user_id="alice",
+        tool_name=tool,
+        arguments=arguments,
+        operation_id=operation_id,
+        **extra,
+    )
+
+
+def search(operation_id: str | None = None, query: str = "refund policy") -> ToolProposal:
+    """An auto-approved read."""
+    return proposal("search_documents", {"query": query}, operation_id=operation_id)
+
+
+def email(operation_id: str | None = None, recipients: tuple[str, ...] = ("cus-0001",)
+          ) -> ToolProposal:
+    """A high-risk write that always needs approval."""
+    return proposal(
+        "send_customer_email",
+        {"recipient_ids": list(recipients), "template": "support_received",
+         "variables": {"ticket_id": "TCK-42"}, "body": "Thanks for writing to us."},
+        operation_id=operation_id,
+    )
+
+
+def result(operation_id: str, token: int, attempt: int = 1, *, ok: bool = True,
+           data: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
+           executor: str = "exec-1") -> ResultEnvelope:
+    """An executor's result envelope."""
+    return ResultEnvelope.model_validate({
+        "operation_id": operation_id,
+        "fencing_token": token,
+        "ok": ok,
+        "data": data if ok else None,
+        "error": error,
+        "provenance": Provenance(
+            tool="search_documents", tool_version="2.1.0", executor=executor, attempt=attempt,
+            latency_ms=3.0, completed_at=datetime.now(UTC),
+        ),
+    })
+
+
+def event_types(ledger: Ledger, operation_id: str) -> list[str]:
+    """The class names of an operation's events, in order."""
+    return [type(event).__name__ for event in ledger.history(operation_id)]
+
+
+def registry_with_limit(max_per_hour: int | None) -> ContractRegistry:
+    """The sample catalog, with search_documents limited only per hour (None: unlimited)."""
+    from policy.catalog import CATALOG_DIR
+
+    registry = ContractRegistry()
+    for contract in ContractRegistry.from_directory(CATALOG_DIR).pin_latest().values():
+        if contract.name == "search_documents":
+            contract = contract.model_copy(
+                update={"limits": contract.limits.model_copy(
+                    update={"max_per_hour": max_per_hour, "max_per_minute": None}
+                )}
+            )
+        registry.register(contract)
+    return registry

@@ -1,0 +1,76 @@
+"""Two ledger instances on one PostgreSQL database, contending for the same operations."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from ledger import IllegalTransition, Ledger, OperationConflict, StorageConfig
+from tests.ledger.helpers import ALICE, make_ledger, registry_with_limit, search
+
+
+def _race(ledgers: list[Ledger], operation_ids: list[str]) -> Counter[str]:
+    """Every ledger tries to claim every operation at once; count who won what."""
+    outcomes: Counter[str] = Counter()
+    lock = threading.Lock()
+    barrier = threading.Barrier(len(ledgers))
+
+    def contend(ledger: Ledger, name: str) -> None:
+        barrier.wait()
+        for operation_id in operation_ids:
+            try:
+                ledger.claim(operation_id, executor=name)
+                outcome = f"won:{name}"
+            except IllegalTransition:
+                outcome = "refused"  # the other writer won; the command no longer applies
+            except OperationConflict:
+                outcome = "gave_up"
+            with lock:
+                outcomes[outcome] += 1
+
+    threads = [
+        threading.Thread(target=contend, args=(ledger, f"instance-{n}"))
+        for n, ledger in enumerate(ledgers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return outcomes
+
+
+def test_two_instances_one_winner_per_operation(postgres_storage: StorageConfig) -> None:
+    unlimited = registry_with_limit(None)
+    first = make_ledger(postgres_storage, registry=unlimited)
+    second = make_ledger(postgres_storage, registry=unlimited)
+    operation_ids = [f"op-{n}" for n in range(40)]
+    submitted = first.submit_many([(search(operation_id), ALICE) for operation_id in operation_ids])
+    assert {s.state.value for s in submitted} == {"ready"}
+    outcomes = _race([first, second], operation_ids)
+    wins = outcomes["won:instance-0"] + outcomes["won:instance-1"]
+    assert wins == len(operation_ids)
+    assert outcomes["refused"] + outcomes["gave_up"] == len(operation_ids)
+    for operation_id in operation_ids:
+        operation = second.get(operation_id)
+        assert operation.fencing_token == 1  # exactly one lease, never two
+        assert len(operation.leases) == 1
+    second.refresh()
+    assert first.verify().ok
+
+
+def test_two_instances_submitting_the_same_operation(postgres_storage: StorageConfig) -> None:
+    first, second = make_ledger(postgres_storage), make_ledger(postgres_storage)
+    results = []
+    barrier = threading.Barrier(2)
+
+    def submit(ledger: Ledger) -> None:
+        barrier.wait()
+        results.append(ledger.submit(search("op-same"), ALICE))
+
+    threads = [threading.Thread(target=submit, args=(ledger,)) for ledger in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(r.created for r in results) == [False, True]
+    assert len(first.history("op-same")) == 3

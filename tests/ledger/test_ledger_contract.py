@@ -1,0 +1,316 @@
+"""The ledger's contract suite: every test runs on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import io
+from datetime import UTC, datetime, timedelta
+
+import orjson
+import pytest
+
+from ledger import (
+    ApprovalRefused,
+    FindingKind,
+    Ledger,
+    OperationConflict,
+    OperationNotFound,
+    OperationState,
+    ResultDisposition,
+    StorageConfig,
+)
+from schemas import DecisionOutcome
+from tests.ledger.helpers import (
+    ALICE,
+    email,
+    event_types,
+    make_ledger,
+    proposal,
+    registry_with_limit,
+    result,
+    search,
+)
+
+S = OperationState
+
+
+@pytest.fixture
+def ledger(storage: StorageConfig) -> Ledger:
+    return make_ledger(storage)
+
+
+def _succeed(ledger: Ledger, operation_id: str) -> None:
+    grant = ledger.claim(operation_id, executor="exec-1")
+    ledger.record_result(result(operation_id, grant.fencing_token, data={"items": []}))
+
+
+def test_happy_path_records_every_step(ledger: Ledger) -> None:
+    submission = ledger.submit(search("op-1"), ALICE)
+    assert submission.created
+    assert submission.state is S.READY
+    assert submission.decision is not None
+    assert submission.decision.outcome is DecisionOutcome.READY
+    _succeed(ledger, "op-1")
+    assert ledger.get("op-1").state is S.SUCCEEDED
+    assert event_types(ledger, "op-1") == [
+        "Proposed", "Validated", "Readied", "LeaseClaimed", "Succeeded"
+    ]
+
+
+def test_same_id_and_call_returns_the_existing_operation(ledger: Ledger) -> None:
+    ledger.submit(search("op-1"), ALICE)
+    _succeed(ledger, "op-1")
+    again = ledger.submit(search("op-1"), ALICE)
+    assert (again.created, again.state, again.decision) == (False, S.SUCCEEDED, None)
+    assert len(ledger.history("op-1")) == 5
+
+
+def test_same_id_with_other_arguments_is_a_conflict_and_appends_nothing(ledger: Ledger) -> None:
+    ledger.submit(search("op-1"), ALICE)
+    with pytest.raises(OperationConflict) as caught:
+        ledger.submit(search("op-1", query="something else"), ALICE)
+    assert caught.value.to_info().category.value == "CONFLICT"
+    assert len(ledger.history("op-1")) == 3
+
+
+def test_a_batch_with_one_conflict_appends_nothing(ledger: Ledger) -> None:
+    ledger.submit(search("op-1"), ALICE)
+    with pytest.raises(OperationConflict):
+        ledger.submit_many([(search("op-2"), ALICE), (search("op-1", query="other"), ALICE)])
+    with pytest.raises(OperationNotFound):
+        ledger.get("op-2")
+
+
+def test_rejections_are_recorded_with_their_reasons(ledger: Ledger) -> None:
+    submission = ledger.submit(proposal("search_documents", '{"top_k": 3', operation_id="bad"),
+                               ALICE)
+    assert submission.state is S.REJECTED
+    operation = ledger.get("bad")
+    assert operation.issues[0]["code"] == "json_syntax"
+    assert event_types(ledger, "bad") == ["Proposed", "Rejected"]
+
+
+def test_approval_is_bound_to_the_proposal_hash(ledger: Ledger) -> None:
+    submission = ledger.submit(email("mail-1"), ALICE)
+    assert submission.state is S.AWAITING_APPROVAL
+    operation = ledger.get("mail-1")
+    assert operation.approval is not None
+    preview = operation.approval["effect_preview"]
+    assert preview["arguments"]["recipient_ids"] == ["cus-0001"]
+    assert preview["reversible"] is False
+    with pytest.raises(ApprovalRefused, match="proposal_hash_mismatch"):
+        ledger.approve("mail-1", approver="lead", approver_roles=["support_lead"],
+                       proposal_hash="0" * 64)
+    with pytest.raises(ApprovalRefused, match="requester_cannot_approve"):
+        ledger.approve("mail-1", approver="alice", approver_roles=["support_lead"],
+                       proposal_hash=preview["proposal_hash"])
+    ledger.approve("mail-1", approver="lead", approver_roles=["support_lead"],
+                   proposal_hash=preview["proposal_hash"])
+    assert ledger.get("mail-1").state is S.READY
+    with pytest.raises(ApprovalRefused, match="approval_consumed"):
+        ledger.approve("mail-1", approver="lead2", approver_roles=["support_lead"],
+                       proposal_hash=preview["proposal_hash"])
+    assert event_types(ledger, "mail-1").count("ApprovalRefused") == 3
+
+
+def test_expired_approvals_are_swept(storage: StorageConfig) -> None:
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    ledger.submit(email("mail-1"), ALICE)
+    assert ledger.expire_approvals() == []
+    now[0] += timedelta(minutes=16)
+    assert ledger.expire_approvals() == ["mail-1"]
+    assert ledger.get("mail-1").state is S.APPROVAL_EXPIRED
+
+
+def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
+    ledger.submit(search("op-1"), ALICE)
+    first = ledger.claim("op-1", executor="exec-1")
+    failure = {"code": "UPSTREAM_TIMEOUT", "category": "TRANSIENT", "message": "timeout",
+               "retryable": True}
+    disposition = ledger.record_result(result("op-1", first.fencing_token, ok=False,
+                                              error=failure))
+    assert disposition is ResultDisposition.ACCEPTED
+    assert ledger.get("op-1").state is S.READY  # retry scheduled by the contract's policy
+    second = ledger.claim("op-1", executor="exec-2")
+    assert (second.fencing_token, second.attempt) == (2, 2)
+    late = ledger.record_result(result("op-1", first.fencing_token, data={"items": []}))
+    assert late is ResultDisposition.STALE
+    assert ledger.get("op-1").state is S.EXECUTING
+    ok = result("op-1", second.fencing_token, attempt=2, data={"items": []}, executor="exec-2")
+    assert ledger.record_result(ok) is ResultDisposition.ACCEPTED
+    assert ledger.record_result(ok) is ResultDisposition.DUPLICATE
+    operation = ledger.get("op-1")
+    assert operation.state is S.SUCCEEDED
+    assert [lease["executor"] for lease in operation.leases] == ["exec-1", "exec-2"]
+    kept = ledger.results.get(operation.outcome["result_ref"])  # type: ignore[index]
+    assert kept is not None
+    assert kept.provenance.executor == "exec-2"
+
+
+def test_state_survives_a_restart(storage: StorageConfig) -> None:
+    first = make_ledger(storage)
+    first.submit(search("op-1"), ALICE)
+    first.claim("op-1", executor="exec-1")
+    first.close()
+    second = make_ledger(storage)
+    operation = second.get("op-1")
+    assert (operation.state, operation.fencing_token) == (S.EXECUTING, 1)
+
+
+def test_replay_as_of_any_event(ledger: Ledger) -> None:
+    ledger.submit(search("op-1"), ALICE)
+    _succeed(ledger, "op-1")
+    states = [ledger.get("op-1", version=v).state for v in range(1, 6)]
+    assert states == [S.PROPOSED, S.VALIDATED, S.READY, S.EXECUTING, S.SUCCEEDED]
+
+
+def test_view_rebuild_is_identical_and_matches_the_aggregates(ledger: Ledger) -> None:
+    ledger.submit_many([(search(f"op-{n}"), ALICE) for n in range(5)])
+    ledger.submit(email("mail-1"), ALICE)
+    ledger.submit(proposal("search_documents", {"top_k": 3}, operation_id="bad"), ALICE)
+    _succeed(ledger, "op-1")
+    ledger.cancel("op-2", by="alice")
+    ledger.refresh()
+    before = ledger.projector.rows()
+    digest_before = ledger.projector.digest_rows()
+    assert ledger.projector.rebuild() == sum(len(ledger.history(r.operation_id)) for r in before)
+    assert ledger.projector.rows() == before
+    assert ledger.projector.digest_rows() == digest_before
+    for row in before:
+        operation = ledger.get(row.operation_id)
+        assert row.state == operation.state.value
+        assert row.last_version == operation.version
+    by_id = {row.operation_id: row for row in before}
+    assert by_id["mail-1"].approvals_required == 1
+    assert by_id["op-1"].attempts == 1
+
+
+def test_budget_is_counted_from_the_ledger_across_restarts(storage: StorageConfig) -> None:
+    registry = registry_with_limit(2)
+    first = make_ledger(storage, registry=registry)
+    assert first.submit(search(), ALICE).state is S.READY
+    assert first.submit(search(), ALICE).state is S.READY
+    first.close()
+    second = make_ledger(storage, registry=registry)
+    third = second.submit(search(), ALICE)
+    assert third.state is S.REJECTED
+    assert third.decision is not None
+    assert [issue.code for issue in third.decision.issues] == ["BUDGET_EXCEEDED"]
+
+
+def test_budget_holds_within_one_batch(storage: StorageConfig) -> None:
+    ledger = make_ledger(storage, registry=registry_with_limit(3))
+    states = [s.state for s in ledger.submit_many([(search(), ALICE) for _ in range(5)])]
+    assert states == [S.READY] * 3 + [S.REJECTED] * 2
+
+
+def test_export_hashes_sensitive_arguments(ledger: Ledger) -> None:
+    ledger.submit(email("mail-1"), ALICE)
+    out = io.BytesIO()
+    assert ledger.export(out) == 3
+    text = out.getvalue().decode()
+    assert "Thanks for writing to us." not in text
+    assert "TCK-42" not in text
+    records = [orjson.loads(line) for line in text.splitlines()]
+    proposed = records[0]["event"]["proposal"]["arguments"]
+    assert set(proposed["body"]) == {"sha256"}
+    assert proposed["recipient_ids"] == ["cus-0001"]
+    assert records[1]["event"]["arguments"]["body"] == proposed["body"]
+    assert records[2]["event"]["effect_preview"]["arguments"]["body"] == proposed["body"]
+    assert [r["type"] for r in records] == ["Proposed", "Validated", "ApprovalRequested"]
+    assert records[1]["prev_hash"] == records[0]["event_hash"]
+
+
+# --------------------------------------------------------------------- tampering
+
+
+def _tampered_ledger(ledger: Ledger) -> Ledger:
+    for n in range(3):
+        ledger.submit(search(f"op-{n}"), ALICE)
+        _succeed(ledger, f"op-{n}")
+    ledger.refresh()
+    report = ledger.verify()
+    assert report.ok, [f.describe() for f in report.findings]
+    assert report.events_checked == report.sealed_events == 15
+    return ledger
+
+
+def _state(ledger: Ledger, operation_id: str, version: int) -> bytes:
+    rows = ledger.db.query(
+        f"SELECT state FROM {ledger.events_table}"
+        " WHERE originator_id = ? AND originator_version = ?",
+        (operation_id, version),
+    )
+    return bytes(rows[0][0])
+
+
+def _kinds(ledger: Ledger) -> set[tuple[FindingKind, str, int | None]]:
+    return {(f.kind, f.operation_id, f.version) for f in ledger.verify().findings}
+
+
+def test_verify_detects_a_modified_event(ledger: Ledger) -> None:
+    _tampered_ledger(ledger)
+    state = orjson.loads(_state(ledger, "op-1", 2))
+    state["arguments"]["query"] = "salaries of everyone"
+    ledger.db.execute(
+        f"UPDATE {ledger.events_table} SET state = ?"
+        " WHERE originator_id = ? AND originator_version = ?",
+        (orjson.dumps(state), "op-1", 2),
+    )
+    kinds = _kinds(ledger)
+    assert (FindingKind.MODIFIED, "op-1", 2) in kinds
+    assert (FindingKind.CHAIN_BROKEN, "op-1", 3) in kinds
+    assert all(operation == "op-1" for _, operation, _ in kinds)
+
+
+def test_verify_detects_a_deleted_event(ledger: Ledger) -> None:
+    _tampered_ledger(ledger)
+    ledger.db.execute(
+        f"DELETE FROM {ledger.events_table} WHERE originator_id = ? AND originator_version = ?",
+        ("op-2", 4),
+    )
+    kinds = _kinds(ledger)
+    assert (FindingKind.DELETED, "op-2", 4) in kinds
+    assert (FindingKind.VERSION_GAP, "op-2", 5) in kinds
+
+
+def test_verify_detects_an_inserted_event(ledger: Ledger) -> None:
+    _tampered_ledger(ledger)
+    # A forged approval slipped in outside the notification order, with a valid-looking chain.
+    forged = orjson.loads(_state(ledger, "op-0", 5))
+    forged["originator_version"] = 6
+    position = "rowid" if not ledger.db.is_postgres else "notification_id"
+    ledger.db.execute(
+        f"INSERT INTO {ledger.events_table}"
+        f" (originator_id, originator_version, topic, state, {position}) VALUES (?, ?, ?, ?, ?)",
+        ("op-0", 6, "ledger.domain.operation:Operation.Succeeded", orjson.dumps(forged), -1),
+    )
+    assert (FindingKind.INSERTED, "op-0", 6) in _kinds(ledger)
+
+
+def test_verify_detects_reordered_events(ledger: Ledger) -> None:
+    _tampered_ledger(ledger)
+    # Swap two sealed events of different operations in the global order.
+    first, second = _state(ledger, "op-0", 5), _state(ledger, "op-1", 5)
+    ledger.db.execute(f"DELETE FROM {ledger.events_table} WHERE originator_version = 5"
+                      " AND originator_id IN ('op-0', 'op-1')")
+    position = "rowid" if not ledger.db.is_postgres else "notification_id"
+    sealed = {row[1]: row[0] for row in ledger.projector.digest_rows() if row[2] == 5}
+    # Each operation's last event now sits at the other's sealed position.
+    for operation, other, body in (("op-0", "op-1", second), ("op-1", "op-0", first)):
+        ledger.db.execute(
+            f"INSERT INTO {ledger.events_table} (originator_id, originator_version, topic, state,"
+            f" {position}) VALUES (?, 5, ?, ?, ?)",
+            (other, "ledger.domain.operation:Operation.Succeeded", body, sealed[operation]),
+        )
+    kinds = {(kind, operation) for kind, operation, _ in _kinds(ledger)}
+    assert (FindingKind.REORDERED, "op-1") in kinds
+    assert (FindingKind.REORDERED, "op-0") in kinds
+
+
+def test_verify_with_an_anchored_head(ledger: Ledger) -> None:
+    _tampered_ledger(ledger)
+    head = ledger.verify().head_digest
+    assert ledger.verify(expected_head=head).ok
+    report = ledger.verify(expected_head="f" * 64)
+    assert [f.kind for f in report.findings] == [FindingKind.HEAD_MISMATCH]
