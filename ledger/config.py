@@ -3,9 +3,9 @@
 Precedence, highest first: values passed to `Settings(...)` (the CLI's
 options), environment variables (`OPLEDGER_HOME`, `OPLEDGER_DATABASE`, ...),
 the TOML file `<home>/opledger.toml`, then the defaults. Relative paths are
-relative to the current working directory, wherever they were given.
+relative to the current working directory, wherever they were given. A
+`<home>/opledger.toml` looks like:
 
-    [opledger.toml]
     database = "postgresql://ledger@db.internal/opledger"
     postgres_schema = "ledger"
     contracts_dir = "/etc/opledger/contracts"

@@ -84,29 +84,36 @@ def _safe_actual(value: Any) -> Any:
 def apply_defaults(schema: dict[str, Any], instance: Any) -> tuple[Any, list[str]]:
     """Fill in `default` values for absent properties, recursively, and say where.
 
-    Returns a new instance (the input is not modified) and the JSON pointers of
-    every default applied, so the ledger records exactly what was assumed.
+    Returns the normalized instance and the JSON pointers of every default
+    applied, so the ledger records exactly what was assumed. The input is never
+    modified: objects on the way to an inserted default are copied, everything
+    else is shared (arguments are treated as immutable from here on).
     """
     applied: list[str] = []
-    result = copy.deepcopy(instance)
-    _fill(schema, result, (), applied)
-    return result, applied
+    return _fill(schema, instance, (), applied), applied
 
 
-def _fill(schema: Any, instance: Any, path: tuple[object, ...], applied: list[str]) -> None:
+def _fill(schema: Any, instance: Any, path: tuple[object, ...], applied: list[str]) -> Any:
     if not isinstance(schema, dict) or not isinstance(instance, dict):
-        return
+        return instance
     properties = schema.get("properties")
     if not isinstance(properties, dict):
-        return
+        return instance
+    result: dict[str, Any] | None = None
     for name, sub in properties.items():
         if not isinstance(sub, dict):
             continue
-        if name not in instance and "default" in sub:
-            instance[name] = copy.deepcopy(sub["default"])
-            applied.append(json_pointer((*path, name)))
-        elif name in instance:
-            _fill(sub, instance[name], (*path, name), applied)
+        if name not in instance:
+            if "default" in sub:
+                result = result if result is not None else dict(instance)
+                result[name] = copy.deepcopy(sub["default"])
+                applied.append(json_pointer((*path, name)))
+            continue
+        filled = _fill(sub, instance[name], (*path, name), applied)
+        if filled is not instance[name]:
+            result = result if result is not None else dict(instance)
+            result[name] = filled
+    return result if result is not None else instance
 
 
 class CompiledSchema:

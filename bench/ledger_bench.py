@@ -1,0 +1,192 @@
+"""Ledger throughput and replay speed, on SQLite and PostgreSQL.
+
+Full happy path per operation: proposed → validated → readied (one batched
+append for the whole batch), lease claimed (one append), succeeded (one
+append): five events, three transactions per batch. Beside it, in the same
+run, the baseline: the bare event recorder inserting five pre-encoded events
+per operation in one transaction per batch, i.e. the storage ceiling.
+
+Replay: verification of every stored event (decode, re-hash, chain and seal
+checks), and full aggregate reconstruction, in events per second.
+
+    python bench/ledger_bench.py [--ops 3000] [--batch 100] [--postgres DSN | --no-postgres]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psycopg
+from eventsourcing.persistence import StoredEvent
+
+from ledger import Ledger, StorageConfig, build_ledger
+from policy import ContractRegistry, InMemoryTargetResolver
+from policy.catalog import CATALOG_DIR, SAMPLE_RULES, sample_targets
+from schemas import Provenance, ResultEnvelope, RuntimeContext, ToolProposal
+
+CONTEXT = RuntimeContext(
+    principal="bench", tenant="acme", capabilities=frozenset({"documents:search"})
+)
+
+
+def _registry() -> ContractRegistry:
+    # Budgets would (rightly) stop one actor after 30 calls a minute.
+    registry = ContractRegistry()
+    for contract in ContractRegistry.from_directory(CATALOG_DIR).pin_latest().values():
+        limits = contract.limits.model_copy(update={"max_per_hour": None, "max_per_minute": None})
+        registry.register(contract.model_copy(update={"limits": limits}))
+    return registry
+
+
+def _proposal(n: int) -> ToolProposal:
+    return ToolProposal(
+        proposal_id=f"p-{n}",
+        conversation_id="c",
+        requested_by_user_id="bench",
+        tool_name="search_documents",
+        arguments={"query": f"refund policy {n}", "source_types": ["policy"], "top_k": 5},
+    )
+
+
+def _happy_path(ledger: Ledger, ops: int, batch: int) -> float:
+    start = time.perf_counter()
+    for first in range(0, ops, batch):
+        submissions = ledger.submit_many(
+            [(_proposal(n), CONTEXT) for n in range(first, min(first + batch, ops))]
+        )
+        grants = ledger.claim_many([s.operation_id for s in submissions], executor="bench")
+        now = datetime.now(UTC)
+        ledger.record_results(
+            [
+                ResultEnvelope(
+                    operation_id=g.operation_id,
+                    fencing_token=g.fencing_token,
+                    ok=True,
+                    data={"items": [], "truncated": False},
+                    provenance=Provenance(
+                        tool=g.tool,
+                        tool_version=g.tool_version,
+                        executor="bench",
+                        attempt=g.attempt,
+                        latency_ms=0.1,
+                        completed_at=now,
+                    ),
+                )
+                for g in grants
+            ]
+        )
+    return ops / (time.perf_counter() - start)
+
+
+def _baseline(storage: StorageConfig, ops: int, batch: int) -> float:
+    """The bare recorder: five small stored events per operation, one transaction per batch."""
+    from ledger.adapters.eventstore import EventStoreApp
+    from ledger.adapters.sql import SqlDatabase
+
+    SqlDatabase(storage).close()  # creates the PostgreSQL schema
+    app = EventStoreApp(storage)  # kept alive: it closes its pool when collected
+    recorder = app.recorder
+    state = b'{"prev_hash":"' + b"0" * 64 + b'","payload":"' + b"x" * 300 + b'"}'
+    start = time.perf_counter()
+    for first in range(0, ops, batch):
+        events = [
+            StoredEvent(
+                originator_id=operation_id,
+                originator_version=version,
+                topic="bench:Raw",
+                state=state,
+            )
+            for operation_id in (f"raw-{uuid.uuid4()}" for _ in range(min(batch, ops - first)))
+            for version in range(1, 6)
+        ]
+        recorder.insert_events(events)
+    rate = ops / (time.perf_counter() - start)
+    app.close()
+    return rate
+
+
+def _replay(ledger: Ledger, ops: int) -> tuple[float, float, int]:
+    ledger.refresh()
+    events = ops * 5
+    start = time.perf_counter()
+    report = ledger.verify()
+    verify_rate = report.events_checked / (time.perf_counter() - start)
+    assert report.ok, [f.describe() for f in report.findings[:5]]
+    ids = [row.operation_id for row in ledger.projector.rows(limit=ops)]
+    start = time.perf_counter()
+    for operation_id in ids:
+        ledger.get(operation_id)
+    rebuild_rate = len(ids) * 5 / (time.perf_counter() - start)
+    return verify_rate, rebuild_rate, events
+
+
+def run(
+    name: str, storage: StorageConfig, baseline_storage: StorageConfig, ops: int, batch: int
+) -> None:
+    """Benchmark one backend and print its figures."""
+    baseline = _baseline(baseline_storage, ops, batch)
+    ledger = build_ledger(
+        storage,
+        registry=_registry(),
+        resolver=InMemoryTargetResolver(sample_targets()),
+        rules=SAMPLE_RULES,
+    )
+    rate = _happy_path(ledger, ops, batch)
+    verify_rate, rebuild_rate, _ = _replay(ledger, ops)
+    print(f"{name}: {ops} operations in batches of {batch}")
+    print(f"  baseline, bare recorder (5 events/op):  {baseline:9,.0f} ops/s")
+    print(
+        f"  full happy path (check + 5 events/op):  {rate:9,.0f} ops/s"
+        f"   {rate / baseline:5.2f}x baseline"
+    )
+    print(f"  verify (decode, hash, chain, seal):     {verify_rate:9,.0f} events/s")
+    print(f"  aggregate replay (pydantic decode):     {rebuild_rate:9,.0f} events/s")
+    ledger.close()
+
+
+def main() -> None:
+    """Run the benchmark on both backends."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ops", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument(
+        "--postgres",
+        default=os.environ.get(
+            "OPLEDGER_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    parser.add_argument("--no-postgres", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        run(
+            "SQLite",
+            StorageConfig.sqlite(Path(directory) / "bench.db"),
+            StorageConfig.sqlite(Path(directory) / "baseline.db"),
+            args.ops,
+            args.batch,
+        )
+    if args.no_postgres:
+        return
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    try:
+        run(
+            "PostgreSQL",
+            StorageConfig.postgres(args.postgres, schema),
+            StorageConfig.postgres(args.postgres, schema + "_raw"),
+            args.ops,
+            args.batch,
+        )
+    finally:
+        with psycopg.connect(args.postgres, autocommit=True) as conn:
+            for name in (schema, schema + "_raw"):
+                conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,805 @@
+"""The `opledger` command line: inspect operations, audit the ledger, decide approvals.
+
+    opledger ops list [--state S] [--tool T] [--tenant X] [--limit N]
+    opledger ops show OP_ID [--as-of VERSION]
+    opledger audit verify [--expect-head DIGEST]
+    opledger audit export [--output FILE]
+    opledger approvals list
+    opledger approvals show OP_ID
+    opledger approvals approve OP_ID --as USER --role ROLE --proposal-hash HASH
+    opledger approvals deny OP_ID --as USER [--reason TEXT]
+
+Every subcommand takes `--home`, `--database` and `--json`. Each command
+returns an `Output` (data, a renderer for people, an exit code); `main`
+prints the data as JSON or renders it. Exit codes: 0 done, 1 verification
+found faults, 2 an error (printed as one line, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import psycopg
+from eventsourcing.persistence import PersistenceError
+
+from ledger.audit.verify import Finding, VerificationReport
+from ledger.bootstrap import build_ledger
+from ledger.config import Settings
+from ledger.domain.errors import OperationNotFound
+from ledger.domain.operation import Operation
+from ledger.domain.states import OperationState
+from ledger.service import Ledger
+from schemas import ErrorCategory, OpledgerError
+
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "EXIT_ERROR",
+    "EXIT_FINDINGS",
+    "EXIT_OK",
+    "CommandError",
+    "NoApprovalRequest",
+    "Output",
+    "StorageUnavailable",
+    "build_parser",
+    "main",
+    "render_json",
+    "render_table",
+]
+
+EXIT_OK = 0
+"""The command did what was asked."""
+EXIT_FINDINGS = 1
+"""`audit verify` found faults."""
+EXIT_ERROR = 2
+"""An error: bad usage, bad settings, unknown operation, refused command."""
+EXIT_BROKEN_PIPE = 141
+"""The reader of stdout went away (128 + SIGPIPE, as a shell reports it)."""
+
+
+class CommandError(OpledgerError):
+    """A command-line argument cannot be acted on (e.g. an unwritable output file)."""
+
+    category = ErrorCategory.INVALID_INPUT
+    code = "INVALID_ARGUMENT"
+
+
+class StorageUnavailable(OpledgerError):
+    """The ledger's database cannot be opened or read."""
+
+    category = ErrorCategory.TRANSIENT
+    code = "STORAGE_UNAVAILABLE"
+
+
+class NoApprovalRequest(OpledgerError):
+    """The operation exists but never asked for approval."""
+
+    category = ErrorCategory.NOT_FOUND
+    code = "NO_APPROVAL_REQUEST"
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What a command produced: JSON-able data, how to show it to people, the exit code."""
+
+    data: Any
+    render: Callable[[Any], str]
+    exit_code: int = EXIT_OK
+    to_stderr: bool = False
+    """Print on stderr (when stdout carries the command's payload, as in `audit export`)."""
+
+
+Command = Callable[[Ledger, argparse.Namespace], Output]
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one `opledger` command; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, or a usage error argparse already printed
+        return stop.code if isinstance(stop.code, int) else EXIT_ERROR
+    as_json = bool(getattr(args, "json", False))
+    try:
+        settings = Settings(**_overrides(args))
+        with _open_ledger(settings) as ledger:
+            output = _run(args.command, ledger, args)
+        text = render_json(output.data) if as_json else output.render(output.data)
+        print(text, file=sys.stderr if output.to_stderr else sys.stdout)
+    except OpledgerError as error:
+        print(_error_text(error, as_json), file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as other Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return output.exit_code
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The global options that were given, as `Settings` arguments."""
+    names = ("home", "database")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+@contextmanager
+def _open_ledger(settings: Settings) -> Iterator[Ledger]:
+    """The ledger these settings name, closed afterwards; storage faults become errors."""
+    storage = settings.storage()
+    with _storage_errors(storage.describe(), opening=True):
+        ledger = build_ledger(storage, contracts_dir=settings.contracts_dir)
+    try:
+        yield ledger
+    finally:
+        ledger.close()
+
+
+_DATABASE_ERRORS = (sqlite3.Error, psycopg.Error, PersistenceError)
+
+
+@contextmanager
+def _storage_errors(where: str, *, opening: bool = False) -> Iterator[None]:
+    """Database faults (and, while opening, file system faults) as `StorageUnavailable`."""
+    caught: tuple[type[Exception], ...] = _DATABASE_ERRORS
+    if opening:
+        caught = (*caught, OSError)
+    try:
+        yield
+    except caught as error:
+        reason = _os_reason(error) if isinstance(error, OSError) else str(error).strip()
+        first_line = (str(reason or "").splitlines() or [type(error).__name__])[0]
+        raise StorageUnavailable(f"cannot use the ledger at {where}: {first_line}") from None
+
+
+def _os_reason(error: OSError) -> str:
+    return f"{error.strerror}: {error.filename}" if error.filename else str(error.strerror)
+
+
+def _run(command: Command, ledger: Ledger, args: argparse.Namespace) -> Output:
+    with _storage_errors(ledger.events.storage.describe()):
+        return command(ledger, args)
+
+
+def _error_text(error: OpledgerError, as_json: bool) -> str:
+    """One line: the error envelope as JSON, or `error: CODE: message (details)`."""
+    if as_json:
+        return error.to_envelope().model_dump_json()
+    message = " ".join(error.message.split())
+    details = ", ".join(f"{key}={value}" for key, value in error.safe_details.items())
+    return f"error: {error.code}: {message}" + (f" ({details})" if details else "")
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `opledger` (every level accepts the global options)."""
+    common = _common_options()
+    parser = argparse.ArgumentParser(
+        prog="opledger",
+        description="Inspect and audit the opledger operation ledger; decide approvals.",
+        parents=[common],
+    )
+    groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    _add_ops(groups, common)
+    _add_audit(groups, common)
+    _add_approvals(groups, common)
+    return parser
+
+
+def _common_options() -> argparse.ArgumentParser:
+    # SUPPRESS: an option given before the subcommand is not reset by the subcommand's default.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--home", type=Path, default=argparse.SUPPRESS,
+        help="state directory (default: $OPLEDGER_HOME or .opledger)",
+    )
+    common.add_argument(
+        "--database", default=argparse.SUPPRESS,
+        help="SQLite file or postgresql:// DSN (default: $OPLEDGER_DATABASE or <home>/ledger.db)",
+    )
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
+    return common
+
+
+def _group(groups: Any, name: str, help_: str, common: argparse.ArgumentParser) -> Any:
+    parser = groups.add_parser(name, help=help_, description=help_, parents=[common])
+    return parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+
+def _leaf(
+    actions: Any, name: str, help_: str, common: argparse.ArgumentParser, command: Command
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = actions.add_parser(
+        name, help=help_, description=help_, parents=[common]
+    )
+    parser.set_defaults(command=command)
+    return parser
+
+
+def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
+    actions = _group(groups, "ops", "operations in the ledger", common)
+    listing = _leaf(actions, "list", "list operations, newest first", common, ops_list)
+    listing.add_argument("--state", choices=[state.value for state in OperationState])
+    listing.add_argument("--tool", help="tool name")
+    listing.add_argument("--tenant")
+    listing.add_argument("--limit", type=_positive, default=100, help="at most N rows (100)")
+    show = _leaf(actions, "show", "one operation and its event timeline", common, ops_show)
+    show.add_argument("operation_id", metavar="OP_ID")
+    show.add_argument("--as-of", type=_positive, metavar="VERSION", help="replay up to VERSION")
+
+
+def _add_audit(groups: Any, common: argparse.ArgumentParser) -> None:
+    actions = _group(groups, "audit", "verify and export the ledger", common)
+    verify = _leaf(actions, "verify", "check hash chains and the sealed digest", common,
+                   audit_verify)
+    verify.add_argument("--expect-head", metavar="DIGEST", help="the head digest recorded earlier")
+    export = _leaf(actions, "export", "write every event as JSON Lines", common, audit_export)
+    export.add_argument("--output", "-o", type=Path, metavar="FILE", help="default: stdout")
+
+
+def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
+    actions = _group(groups, "approvals", "operations waiting for a human decision", common)
+    _leaf(actions, "list", "operations awaiting approval", common, approvals_list)
+    show = _leaf(actions, "show", "what approving would allow", common, approvals_show)
+    show.add_argument("operation_id", metavar="OP_ID")
+    approve = _leaf(actions, "approve", "approve exactly the call you reviewed", common,
+                    approvals_approve)
+    approve.add_argument("operation_id", metavar="OP_ID")
+    approve.add_argument("--as", dest="user", required=True, metavar="USER", help="who approves")
+    approve.add_argument(
+        "--role", dest="roles", action="append", required=True, metavar="ROLE",
+        help="an approver role you hold (repeatable)",
+    )
+    approve.add_argument(
+        "--proposal-hash", required=True, metavar="HASH",
+        help="the proposal hash shown by `approvals show`: binds the approval to those arguments",
+    )
+    deny = _leaf(actions, "deny", "deny the call; it will never run", common, approvals_deny)
+    deny.add_argument("operation_id", metavar="OP_ID")
+    deny.add_argument("--as", dest="user", required=True, metavar="USER", help="who denies")
+    deny.add_argument("--reason", default="", help="why, for the requester and the audit")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+# ------------------------------------------------------------------------- commands
+
+
+def ops_list(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops list`: the operations view, brought up to date first."""
+    ledger.refresh()
+    rows = ledger.projector.rows(
+        state=args.state, tool=args.tool, tenant=args.tenant, limit=args.limit
+    )
+    return Output([asdict(row) for row in rows], render_operations)
+
+
+def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops show`: one operation (now, or replayed to a version) and its timeline."""
+    operation = ledger.get(args.operation_id, version=args.as_of)
+    if args.as_of is not None and operation.version < args.as_of:
+        raise OperationNotFound(
+            f"the operation has no version {args.as_of}; its latest is {operation.version}",
+            operation_id=args.operation_id,
+        )
+    events = [
+        event for event in ledger.history(args.operation_id)
+        if args.as_of is None or event.originator_version <= args.as_of
+    ]
+    data = operation_view(operation) | {
+        "as_of": args.as_of,
+        "timeline": [timeline_entry(event) for event in events],
+    }
+    return Output(data, render_operation)
+
+
+def audit_verify(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`audit verify`: exit 0 when every check passes, 1 with findings."""
+    report = ledger.verify(expected_head=args.expect_head)
+    return Output(
+        report_view(report), render_report, EXIT_OK if report.ok else EXIT_FINDINGS
+    )
+
+
+def audit_export(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`audit export`: JSON Lines to a file or stdout; the count goes to stderr."""
+    if args.output is None:
+        sys.stdout.flush()
+        count = ledger.export(sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+    else:
+        with _open_output(args.output) as out:
+            count = ledger.export(out)
+    target = "-" if args.output is None else str(args.output)
+    return Output({"exported": count, "output": target}, render_export, to_stderr=True)
+
+
+@contextmanager
+def _open_output(path: Path) -> Iterator[IO[bytes]]:
+    try:
+        out = path.open("wb")
+    except OSError as error:
+        raise CommandError(f"cannot write {path}: {error.strerror}") from None
+    with out:
+        yield out
+
+
+def approvals_list(ledger: Ledger, args: argparse.Namespace) -> Output:  # noqa: ARG001
+    """`approvals list`: operations waiting for a decision, newest first."""
+    ledger.refresh()
+    rows = ledger.projector.rows(state=OperationState.AWAITING_APPROVAL.value)
+    return Output([pending_view(asdict(row)) for row in rows], render_pending)
+
+
+def approvals_show(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`approvals show`: the effect preview an approver decides on."""
+    operation = ledger.get(args.operation_id)
+    if operation.approval is None:
+        raise NoApprovalRequest(
+            f"the operation never asked for approval (it is {operation.state.value})",
+            operation_id=operation.id,
+        )
+    return Output(approval_view(operation), render_approval)
+
+
+def approvals_approve(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`approvals approve`: approve the call bound to `--proposal-hash`, as `--as`."""
+    operation = ledger.approve(
+        args.operation_id,
+        approver=args.user,
+        approver_roles=args.roles,
+        proposal_hash=args.proposal_hash,
+    )
+    return Output(decision_view(operation, "approved", args.user), render_decision)
+
+
+def approvals_deny(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`approvals deny`: the call will never run."""
+    operation = ledger.deny(args.operation_id, approver=args.user, reason=args.reason)
+    return Output(decision_view(operation, "denied", args.user), render_decision)
+
+
+# ---------------------------------------------------------------------- data views
+
+
+def operation_view(operation: Operation) -> dict[str, Any]:
+    """The key fields of one operation, JSON-able (datetimes stay datetimes)."""
+    return {
+        "operation_id": operation.id,
+        "version": operation.version,
+        "state": operation.state.value,
+        "tool": operation.tool,
+        "tool_version": operation.tool_version,
+        "actor": operation.actor,
+        "tenant": operation.tenant,
+        "environment": operation.environment,
+        "risk": operation.risk,
+        "proposal_hash": operation.proposal_hash,
+        "arguments": operation.arguments,
+        "proposed_arguments": operation.proposal.get("arguments"),
+        "issues": operation.issues,
+        "approval": operation.approval,
+        "approvers": operation.approvers,
+        "attempt": operation.attempt,
+        "max_attempts": operation.max_attempts,
+        "lease": operation.lease,
+        "leases": operation.leases,
+        "outcome": operation.outcome,
+        "cancel_requested": operation.cancel_requested,
+    }
+
+
+def timeline_entry(event: Any) -> dict[str, Any]:
+    """One event of the timeline: version, type, time and a one-line summary."""
+    kind = type(event).__name__
+    summarize = _SUMMARIES.get(kind)
+    return {
+        "version": event.originator_version,
+        "type": kind,
+        "timestamp": event.timestamp,
+        "summary": summarize(event) if summarize else "",
+    }
+
+
+def _short(digest: str | None) -> str:
+    return digest[:12] if digest else "-"
+
+
+_SUMMARIES: dict[str, Callable[[Any], str]] = {
+    "Proposed": lambda e: f"{e.actor} proposed {e.tool} ({e.tenant}, {e.environment})",
+    "Validated": lambda e: (
+        f"checked against {e.tool_version}: risk {e.risk}, proposal {_short(e.proposal_hash)}"
+    ),
+    "Rejected": lambda e: f"rejected ({e.category}): {', '.join(e.reason_codes) or '-'}",
+    "ApprovalRequested": lambda e: (
+        f"approval {e.approval_id} requested: {e.required_approvals} from "
+        f"{', '.join(e.approver_roles)}, expires {_when(e.expires_at)}"
+    ),
+    "ApprovalGranted": lambda e: f"approved by {e.approver}",
+    "ApprovalRefused": lambda e: f"approval by {e.approver} refused: {e.reason}",
+    "ApprovalDenied": lambda e: f"denied by {e.approver}" + (f": {e.reason}" if e.reason else ""),
+    "ApprovalExpired": lambda e: f"approval {e.approval_id} expired",
+    "Readied": lambda e: (
+        f"ready to run (approved by {', '.join(e.approvers)})" if e.approvers else "ready to run"
+    ),
+    "LeaseClaimed": lambda e: (
+        f"leased to {e.executor}: attempt {e.attempt}, token {e.fencing_token}, "
+        f"until {_when(e.lease_expires_at)}"
+    ),
+    "LeaseExpired": lambda e: f"lease {e.fencing_token} expired; outcome unknown",
+    "Succeeded": lambda e: f"succeeded on attempt {e.attempt}, output {_short(e.output_hash)}",
+    "Failed": lambda e: (
+        f"failed on attempt {e.attempt}: {e.code} ({e.category})"
+        + (", retryable" if e.retryable else "")
+    ),
+    "OutcomeUnknown": lambda e: f"outcome unknown on attempt {e.attempt}: {e.reason or '-'}",
+    "ReconciliationStarted": lambda e: f"reconciliation started by {e.by}",
+    "Reconciled": lambda e: f"reconciled by {e.by}: {e.outcome}",
+    "RetryScheduled": lambda e: (
+        f"retry after attempt {e.after_attempt}, not before {_when(e.not_before)}"
+    ),
+    "StaleResultRecorded": lambda e: (
+        f"stale {e.outcome} from {e.executor} (token {e.fencing_token} < {e.current_token})"
+    ),
+    "ConflictingOutcomeRecorded": lambda e: (
+        f"conflicting {e.outcome} from {e.executor} ignored; the outcome stands"
+    ),
+    "CancelRequested": lambda e: f"cancel requested by {e.by}" + (
+        f": {e.reason}" if e.reason else ""
+    ),
+    "Cancelled": lambda e: f"cancelled by {e.by}",
+    "CancelTooLate": lambda e: f"cancel by {e.by} came too late: already {e.outcome}",
+}
+
+
+def report_view(report: VerificationReport) -> dict[str, Any]:
+    """A verification report, JSON-able."""
+    return {
+        "ok": report.ok,
+        "events_checked": report.events_checked,
+        "operations_checked": report.operations_checked,
+        "sealed_events": report.sealed_events,
+        "unsealed_events": report.unsealed_events,
+        "head_digest": report.head_digest,
+        "findings": [finding_view(finding) for finding in report.findings],
+    }
+
+
+def finding_view(finding: Finding) -> dict[str, Any]:
+    """One verification finding, JSON-able, with its one-line description."""
+    return {
+        "kind": finding.kind.value,
+        "notification_id": finding.notification_id,
+        "operation_id": finding.operation_id,
+        "version": finding.version,
+        "detail": finding.detail,
+        "description": finding.describe(),
+    }
+
+
+def pending_view(row: dict[str, Any]) -> dict[str, Any]:
+    """One operation awaiting approval, from its view row."""
+    names = ("operation_id", "approval_id", "tool", "tool_version", "actor", "tenant", "risk",
+             "approvals_granted", "approvals_required", "approval_expires_at")
+    return {name: row[name] for name in names}
+
+
+def approval_view(operation: Operation) -> dict[str, Any]:
+    """What an approver must see, from the approval request's effect preview."""
+    approval = operation.approval or {}
+    preview: dict[str, Any] = approval.get("effect_preview") or {}
+    return {
+        "operation_id": operation.id,
+        "state": operation.state.value,
+        "approval_id": approval.get("approval_id"),
+        "tool": preview.get("tool", operation.tool),
+        "tool_version": preview.get("tool_version", operation.tool_version),
+        "summary": preview.get("summary", ""),
+        "effect": preview.get("effect"),
+        "reversible": preview.get("reversible"),
+        "risk": preview.get("risk", operation.risk),
+        "risk_reasons": preview.get("risk_reasons", []),
+        "arguments": preview.get("arguments", operation.arguments),
+        "applied_defaults": preview.get("applied_defaults", []),
+        "requested_by": preview.get("requested_by", operation.actor),
+        "tenant": preview.get("tenant", operation.tenant),
+        "environment": preview.get("environment", operation.environment),
+        "reason": approval.get("reason", ""),
+        "proposal_hash": operation.proposal_hash,
+        "approver_roles": approval.get("approver_roles", []),
+        "required_approvals": approval.get("required_approvals", 1),
+        "approved_by": operation.approvers,
+        "separation_of_duties": approval.get("separation_of_duties", False),
+        "expires_at": approval.get("expires_at"),
+    }
+
+
+def decision_view(operation: Operation, decision: str, user: str) -> dict[str, Any]:
+    """The operation after an approver's decision."""
+    approval = operation.approval or {}
+    return {
+        "operation_id": operation.id,
+        "decision": decision,
+        "by": user,
+        "state": operation.state.value,
+        "approval_id": approval.get("approval_id"),
+        "approved_by": operation.approvers,
+        "required_approvals": approval.get("required_approvals"),
+    }
+
+
+# ------------------------------------------------------------------------ renderers
+
+
+def render_json(data: Any) -> str:
+    """Data as indented JSON (datetimes as RFC 3339)."""
+    return orjson.dumps(data, option=orjson.OPT_INDENT_2, default=str).decode()
+
+
+def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """An aligned plain-text table; None shows as `-`."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max([len(header), *(len(row[i]) for row in cells)]) for i, header in
+              enumerate(headers)]
+    lines = [list(headers), *cells]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+                     for line in lines)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def _when(value: str | datetime | None) -> str:
+    """A timestamp as `YYYY-MM-DD HH:MM:SS` UTC (the ledger stores UTC)."""
+    if value is None:
+        return "-"
+    moment = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _compact(value: Any) -> str:
+    """A value on one line: scalars as they are, the rest as JSON."""
+    if value is None:
+        return "-"
+    if isinstance(value, str | int | float | bool):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def render_operations(rows: list[dict[str, Any]]) -> str:
+    """`ops list` for people."""
+    if not rows:
+        return "no operations match"
+    headers = ("OPERATION", "STATE", "TOOL", "ACTOR", "TENANT", "RISK", "ATTEMPTS",
+               "UPDATED (UTC)")
+    return render_table(headers, (
+        (r["operation_id"], r["state"], f"{r['tool']}@{r['tool_version'] or '?'}", r["actor"],
+         r["tenant"], r["risk"], r["attempts"], _when(r["updated_at"]))
+        for r in rows
+    ))
+
+
+def render_operation(data: dict[str, Any]) -> str:
+    """`ops show` for people: key fields, then the timeline."""
+    as_of = f", as of version {data['as_of']}" if data["as_of"] is not None else ""
+    fields = [
+        ("state", data["state"]),
+        ("tool", f"{data['tool']}@{data['tool_version'] or '?'}"),
+        ("actor", f"{data['actor']} (tenant {data['tenant']}, {data['environment']})"),
+        ("risk", data["risk"]),
+        ("proposal hash", data["proposal_hash"]),
+        *_arguments_fields(data),
+        *_approval_fields(data["approval"], data["approvers"]),
+        ("attempts", f"{data['attempt']} of {data['max_attempts']}"),
+        *(("lease", _lease_text(lease)) for lease in data["leases"]),
+        ("outcome", _compact(data["outcome"])),
+    ]
+    timeline = render_table(
+        ("VERSION", "TYPE", "TIME (UTC)", "SUMMARY"),
+        ((e["version"], e["type"], _when(e["timestamp"]), e["summary"]) for e in data["timeline"]),
+    )
+    header = f"Operation {data['operation_id']} (version {data['version']}{as_of})"
+    body = _render_fields(fields, width=20)
+    return "\n".join([header, body, "", "Timeline", _indent(timeline)])
+
+
+def _arguments_fields(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    fields: list[tuple[str, Any]] = []
+    if data["arguments"] is not None:
+        fields.append(("arguments", _compact(data["arguments"])))
+    else:
+        fields.append(("proposed arguments", _compact(data["proposed_arguments"])))
+    fields.extend(
+        ("issue", f"{i.get('code')} at {i.get('path') or '/'}: {i.get('message')}")
+        for i in data["issues"]
+    )
+    return fields
+
+
+def _approval_fields(
+    approval: dict[str, Any] | None, approvers: list[str]
+) -> list[tuple[str, Any]]:
+    if approval is None:
+        return [("approval", "not required")]
+    preview = approval.get("effect_preview") or {}
+    reversible = "reversible" if preview.get("reversible") else "not reversible"
+    roles = ", ".join(approval["approver_roles"])
+    return [
+        ("approval", f"{approval['approval_id']}: {len(approvers)} of "
+                     f"{approval['required_approvals']} from {roles}, "
+                     f"expires {_when(approval['expires_at'])}"),
+        ("approved by", ", ".join(approvers) or "-"),
+        ("effect", f"{preview.get('effect')} ({reversible})"),
+        ("risk reasons", "; ".join(preview.get("risk_reasons") or []) or "-"),
+    ]
+
+
+def _lease_text(lease: dict[str, Any]) -> str:
+    return (f"attempt {lease['attempt']} by {lease['executor']}, token {lease['fencing_token']},"
+            f" until {_when(lease['expires_at'])}")
+
+
+def _render_fields(fields: Sequence[tuple[str, Any]], width: int = 16) -> str:
+    return "\n".join(f"  {label + ':':<{width}}{_cell(value)}" for label, value in fields)
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+def render_report(data: dict[str, Any]) -> str:
+    """`audit verify` for people: the counts, the head digest, every finding."""
+    fields = [
+        ("events checked", data["events_checked"]),
+        ("operations checked", data["operations_checked"]),
+        ("sealed events", data["sealed_events"]),
+        ("unsealed events", data["unsealed_events"]),
+        ("head digest", data["head_digest"]),
+    ]
+    findings = data["findings"]
+    verdict = (
+        "OK: every event matches its chain and the seal"
+        if data["ok"] else f"FAILED: {len(findings)} finding(s)"
+    )
+    lines = [_render_fields(fields, width=20), verdict]
+    lines.extend(f"  {finding['description']}" for finding in findings)
+    return "\n".join(lines)
+
+
+def render_export(data: dict[str, Any]) -> str:
+    """`audit export`'s count, for stderr."""
+    target = "stdout" if data["output"] == "-" else data["output"]
+    return f"exported {data['exported']} events to {target}"
+
+
+def render_pending(rows: list[dict[str, Any]]) -> str:
+    """`approvals list` for people."""
+    if not rows:
+        return "no operations await approval"
+    headers = ("OPERATION", "APPROVAL", "TOOL", "ACTOR", "TENANT", "RISK", "APPROVALS",
+               "EXPIRES (UTC)")
+    return render_table(headers, (
+        (r["operation_id"], r["approval_id"], f"{r['tool']}@{r['tool_version']}", r["actor"],
+         r["tenant"], r["risk"], f"{r['approvals_granted']}/{r['approvals_required']}",
+         _when(r["approval_expires_at"]))
+        for r in rows
+    ))
+
+
+_EFFECTS = {
+    "pure_read": "reads data only; changes nothing",
+    "external_read": "reads data from an outside service; changes nothing",
+    "reversible_write": "changes data; the change can be undone",
+    "irreversible_write": "changes data; this CANNOT be undone",
+}
+
+
+def render_approval(data: dict[str, Any]) -> str:
+    """`approvals show` for people who are not developers."""
+    granted = len(data["approved_by"])
+    roles = ", ".join(data["approver_roles"]) or "-"
+    who = f"{data['required_approvals']} approval(s) from role {roles}"
+    if data["separation_of_duties"]:
+        who += "; the requester may not approve"
+    fields = [
+        ("What it does", data["summary"]),
+        ("Effect", _EFFECTS.get(data["effect"] or "", data["effect"])),
+        ("Risk", str(data["risk"] or "-").upper()),
+        ("Why this risk", "; ".join(data["risk_reasons"]) or "the tool's usual risk"),
+        ("Requested by", f"{data['requested_by']} (tenant {data['tenant']}, "
+                         f"{data['environment']})"),
+        ("Why approval", data["reason"]),
+        ("Who approves", who),
+        ("Approved so far", ", ".join(data["approved_by"]) or "nobody"),
+        ("Expires", f"{_when(data['expires_at'])} UTC"),
+    ]
+    lines = [
+        f"Approval request {data['approval_id']} for {data['tool']} (version "
+        f"{data['tool_version']})",
+        f"Operation {data['operation_id']}: {data['state'].replace('_', ' ')} "
+        f"({granted} of {data['required_approvals']} approvals)",
+        "",
+        _render_fields(fields, width=18),
+        "",
+        "Arguments (exactly what will run):",
+        *_argument_lines(data["arguments"], data["applied_defaults"]),
+        "",
+        f"Proposal hash: {data['proposal_hash']}",
+    ]
+    if data["state"] == OperationState.AWAITING_APPROVAL.value:
+        lines.extend(_decision_hints(data))
+    return "\n".join(lines)
+
+
+def _argument_lines(arguments: Any, defaults: list[str]) -> list[str]:
+    if not isinstance(arguments, dict) or not arguments:
+        return [f"  {_compact(arguments)}"]
+    width = max(len(name) for name in arguments) + 2
+    lines = [f"  {name + ':':<{width}}{_argument_text(value)}" for name, value in
+             arguments.items()]
+    if defaults:
+        lines.append(f"  (filled in by default: {', '.join(d.lstrip('/') for d in defaults)})")
+    return lines
+
+
+def _argument_text(value: Any) -> str:
+    if isinstance(value, list) and all(isinstance(v, str | int | float) for v in value):
+        return ", ".join(str(v) for v in value)
+    return _compact(value)
+
+
+def _decision_hints(data: dict[str, Any]) -> list[str]:
+    role = (data["approver_roles"] or ["ROLE"])[0]
+    operation = data["operation_id"]
+    return [
+        "",
+        "To approve exactly this call:",
+        f"  opledger approvals approve {operation} --as YOUR_NAME --role {role} "
+        f"--proposal-hash {data['proposal_hash']}",
+        "To deny it:",
+        f"  opledger approvals deny {operation} --as YOUR_NAME --reason \"...\"",
+    ]
+
+
+def render_decision(data: dict[str, Any]) -> str:
+    """`approvals approve` / `deny` for people."""
+    operation, state = data["operation_id"], data["state"]
+    if data["decision"] == "denied":
+        return f"denied {operation} as {data['by']}: it will not run (state {state})"
+    granted, required = len(data["approved_by"]), data["required_approvals"]
+    following = (
+        "it is ready to run" if state == OperationState.READY.value
+        else f"{required - granted} more approval(s) needed"
+    )
+    return (
+        f"approved {operation} as {data['by']} ({granted} of {required} approvals): "
+        f"{following} (state {state})"
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""The `opledger` command line, end to end over a SQLite ledger in a temporary home."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ledger import StorageConfig, build_ledger
+from ledger.entrypoints.cli import main
+from policy import InMemoryTargetResolver
+from policy.catalog import SAMPLE_RULES, sample_targets
+from schemas import RuntimeContext, ToolProposal
+
+ALICE = RuntimeContext(
+    principal="alice",
+    tenant="acme",
+    capabilities=frozenset({"documents:search", "email:send"}),
+)
+EMAIL_ARGUMENTS = {
+    "recipient_ids": ["cus-0001"],
+    "template": "support_received",
+    "variables": {"ticket_id": "TCK-42"},
+    "body": "Thanks for writing to us.",
+}
+SETTINGS_VARIABLES = (
+    "OPLEDGER_HOME", "OPLEDGER_DATABASE", "OPLEDGER_POSTGRES_SCHEMA",
+    "OPLEDGER_CONTRACTS_DIR", "OPLEDGER_NATS_URL", "OPLEDGER_CREDS_DIR",
+)
+
+
+def _proposal(tool: str, arguments: dict[str, Any], operation_id: str) -> ToolProposal:
+    return ToolProposal(
+        proposal_id=f"p-{operation_id}",
+        conversation_id="c-1",
+        requested_by_user_id="alice",
+        tool_name=tool,
+        arguments=arguments,
+        operation_id=operation_id,
+    )
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty state directory as `OPLEDGER_HOME`, with no other settings leaking in."""
+    for name in SETTINGS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def ledger_ids(home: Path) -> Iterator[dict[str, str]]:
+    """A ready search (3 events) and an email awaiting approval (3 events), both sealed."""
+    ledger = build_ledger(
+        StorageConfig.sqlite(home / "ledger.db"),
+        resolver=InMemoryTargetResolver(sample_targets()),
+        rules=SAMPLE_RULES,
+    )
+    try:
+        search = ledger.submit(
+            _proposal("search_documents", {"query": "refund policy"}, "op-search"), ALICE
+        )
+        email = ledger.submit(
+            _proposal("send_customer_email", EMAIL_ARGUMENTS, "op-email"), ALICE
+        )
+        assert (search.state.value, email.state.value) == ("ready", "awaiting_approval")
+        ledger.refresh()
+        operation = ledger.get("op-email")
+        assert operation.approval is not None and operation.proposal_hash is not None
+        yield {
+            "proposal_hash": operation.proposal_hash,
+            "approval_id": operation.approval["approval_id"],
+            "events_table": ledger.events_table,
+        }
+    finally:
+        ledger.close()
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str, expect: int = 0) -> Any:
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == expect, err
+    return json.loads(out)
+
+
+def _table_line(out: str, operation_id: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(operation_id))
+
+
+# ---------------------------------------------------------------------------- ops list
+
+
+def test_ops_list_prints_an_aligned_table_newest_first(ledger_ids, capsys):
+    code, out, err = _run(capsys, "ops", "list")
+
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "OPERATION", "STATE", "TOOL", "ACTOR", "TENANT", "RISK", "ATTEMPTS", "UPDATED", "(UTC)"
+    ]
+    assert [line.split()[0] for line in lines[1:]] == ["op-email", "op-search"]
+    email, search = lines[1], lines[2]
+    assert email.split()[1:7] == [
+        "awaiting_approval", "send_customer_email@1.0.0", "alice", "acme", "high", "0"
+    ]
+    assert search.split()[1:7] == ["ready", "search_documents@2.1.0", "alice", "acme", "low", "0"]
+    for column, value in (("STATE", "ready"), ("RISK", "low"), ("ATTEMPTS", "0")):
+        assert lines[0].index(column) == search.index(f" {value} ") + 1
+
+
+def test_ops_list_json_is_an_array_of_rows_and_filters_apply(ledger_ids, capsys):
+    rows = _json(capsys, "ops", "list")
+    assert [row["operation_id"] for row in rows] == ["op-email", "op-search"]
+    assert rows[1] | {"created_at": None, "updated_at": None} == {
+        "operation_id": "op-search", "state": "ready", "tool": "search_documents",
+        "tool_version": "2.1.0", "actor": "alice", "tenant": "acme", "risk": "low",
+        "attempts": 0, "created_at": None, "updated_at": None, "last_version": 3,
+        "approval_id": None, "approval_expires_at": None, "approvals_required": 0,
+        "approvals_granted": 0, "proposal_hash": rows[1]["proposal_hash"],
+    }
+
+    assert [r["operation_id"] for r in _json(capsys, "ops", "list", "--state", "ready")] == [
+        "op-search"
+    ]
+    assert [r["operation_id"] for r in _json(capsys, "ops", "list", "--tool",
+                                             "send_customer_email")] == ["op-email"]
+    assert _json(capsys, "ops", "list", "--tenant", "globex") == []
+    assert len(_json(capsys, "ops", "list", "--limit", "1")) == 1
+
+
+def test_global_options_work_before_the_subcommand_too(ledger_ids, home, capsys, tmp_path_factory):
+    code, out, _ = _run(capsys, "--json", "ops", "list", "--state", "ready")
+    assert code == 0
+    assert [row["operation_id"] for row in json.loads(out)] == ["op-search"]
+
+    other_home = tmp_path_factory.mktemp("other-home")
+    code, out, _ = _run(capsys, "--home", str(other_home), "ops", "list")
+    assert (code, out) == (0, "no operations match\n")
+    assert (other_home / "ledger.db").is_file()
+
+    code, out, _ = _run(capsys, "ops", "list", "--database", str(home / "ledger.db"), "--json")
+    assert len(json.loads(out)) == 2
+
+
+def test_a_usage_error_exits_2_without_running(ledger_ids, capsys):
+    code, out, err = _run(capsys, "ops", "list", "--limit", "0")
+
+    assert (code, out) == (2, "")
+    assert "--limit: must be at least 1, not 0" in err
+
+
+# ---------------------------------------------------------------------------- ops show
+
+
+def test_ops_show_prints_key_fields_and_the_timeline(ledger_ids, capsys):
+    code, out, err = _run(capsys, "ops", "show", "op-email")
+
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "Operation op-email (version 3)"
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+              for line in lines[1:lines.index("")]}
+    assert fields["state"] == "awaiting_approval"
+    assert fields["tool"] == "send_customer_email@1.0.0"
+    assert fields["actor"] == "alice (tenant acme, development)"
+    assert fields["risk"] == "high"
+    assert fields["proposal hash"] == ledger_ids["proposal_hash"]
+    assert json.loads(fields["arguments"]) == EMAIL_ARGUMENTS
+    assert fields["approval"].startswith(f"{ledger_ids['approval_id']}: 0 of 1 from support_lead")
+    assert fields["effect"] == "irreversible_write (not reversible)"
+    assert fields["outcome"] == "-"
+    timeline = lines[lines.index("Timeline") + 1:]
+    assert timeline[0].split() == ["VERSION", "TYPE", "TIME", "(UTC)", "SUMMARY"]
+    assert [row.split()[:2] for row in timeline[1:]] == [
+        ["1", "Proposed"], ["2", "Validated"], ["3", "ApprovalRequested"]
+    ]
+    assert timeline[1].endswith("alice proposed send_customer_email (acme, development)")
+    assert f"proposal {ledger_ids['proposal_hash'][:12]}" in timeline[2]
+    assert f"approval {ledger_ids['approval_id']} requested: 1 from support_lead" in timeline[3]
+
+
+def test_ops_show_as_of_replays_to_that_version(ledger_ids, capsys):
+    data = _json(capsys, "ops", "show", "op-email", "--as-of", "2")
+
+    assert (data["operation_id"], data["version"], data["as_of"]) == ("op-email", 2, 2)
+    assert data["state"] == "validated"
+    assert data["approval"] is None
+    assert data["arguments"] == EMAIL_ARGUMENTS
+    assert data["proposal_hash"] == ledger_ids["proposal_hash"]
+    assert [event["type"] for event in data["timeline"]] == ["Proposed", "Validated"]
+    assert [event["version"] for event in data["timeline"]] == [1, 2]
+
+    current = _json(capsys, "ops", "show", "op-email")
+    assert current["state"] == "awaiting_approval"
+    assert current["approval"]["effect_preview"]["effect"] == "irreversible_write"
+    assert current["approval"]["approver_roles"] == ["support_lead"]
+    assert len(current["timeline"]) == 3
+
+
+def test_ops_show_as_of_a_version_that_does_not_exist_is_an_error(ledger_ids, capsys):
+    code, out, err = _run(capsys, "ops", "show", "op-email", "--as-of", "9")
+
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: OPERATION_NOT_FOUND: the operation has no version 9; its latest is 3"
+        " (operation_id=op-email)\n"
+    )
+
+
+def test_unknown_operation_exits_2_with_one_line_and_no_traceback(ledger_ids, capsys):
+    code, out, err = _run(capsys, "ops", "show", "op-nope")
+
+    assert (code, out) == (2, "")
+    assert err == "error: OPERATION_NOT_FOUND: no such operation (operation_id=op-nope)\n"
+
+    code, out, err = _run(capsys, "ops", "show", "op-nope", "--json")
+    assert (code, out) == (2, "")
+    envelope = json.loads(err)
+    assert envelope["ok"] is False
+    assert envelope["error"]["code"] == "OPERATION_NOT_FOUND"
+    assert envelope["error"]["category"] == "NOT_FOUND"
+    assert envelope["error"]["safe_details"] == {"operation_id": "op-nope"}
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------- audit
+
+
+def test_audit_verify_reports_counts_and_exits_0(ledger_ids, capsys):
+    code, out, err = _run(capsys, "audit", "verify")
+
+    assert (code, err) == (0, "")
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+              for line in out.splitlines() if line.startswith("  ")}
+    assert fields["events checked"] == "6"
+    assert fields["operations checked"] == "2"
+    assert fields["sealed events"] == "6"
+    assert fields["unsealed events"] == "0"
+    assert len(fields["head digest"]) == 64
+    assert out.splitlines()[-1] == "OK: every event matches its chain and the seal"
+
+    report = _json(capsys, "audit", "verify")
+    assert report["ok"] is True
+    assert report["findings"] == []
+    assert report["head_digest"] == fields["head digest"]
+    code, _, _ = _run(capsys, "audit", "verify", "--expect-head", report["head_digest"])
+    assert code == 0
+
+
+def test_audit_verify_with_a_wrong_expected_head_exits_1(ledger_ids, capsys):
+    code, out, _ = _run(capsys, "audit", "verify", "--expect-head", "0" * 64)
+
+    assert code == 1
+    assert "FAILED: 1 finding(s)" in out
+    assert "head_mismatch: : the sealed head digest is not the one expected" in out
+
+
+def test_audit_verify_finds_a_tampered_event(ledger_ids, home, capsys):
+    with sqlite3.connect(home / "ledger.db") as conn:
+        table = ledger_ids["events_table"]
+        (state,) = conn.execute(
+            f"SELECT state FROM {table} WHERE originator_id = ? AND originator_version = 2",
+            ("op-search",),
+        ).fetchone()
+        event = json.loads(state)
+        assert event["risk"] == "low"
+        event["risk"] = "critical"
+        conn.execute(
+            f"UPDATE {table} SET state = ? WHERE originator_id = ? AND originator_version = 2",
+            (json.dumps(event).encode(), "op-search"),
+        )
+
+    code, out, err = _run(capsys, "audit", "verify")
+
+    assert (code, err) == (1, "")
+    assert out.splitlines()[-3] == "FAILED: 2 finding(s)"
+    findings = out.splitlines()[-2:]
+    assert findings[0].strip().startswith("modified: #")
+    assert "op-search v2: event hash differs from the sealed hash" in findings[0]
+    assert "op-search v3: prev_hash is not the hash of the event before it" in findings[1]
+
+    report = _json(capsys, "audit", "verify", expect=1)
+    assert report["ok"] is False
+    assert [(f["kind"], f["operation_id"], f["version"]) for f in report["findings"]] == [
+        ("modified", "op-search", 2), ("chain_broken", "op-search", 3)
+    ]
+
+
+def test_audit_export_writes_one_json_line_per_event(ledger_ids, home, capsys):
+    target = home / "export.jsonl"
+
+    code, out, err = _run(capsys, "audit", "export", "--output", str(target))
+
+    assert (code, out) == (0, "")
+    assert err == f"exported 6 events to {target}\n"
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(records) == 6
+    assert [(r["operation_id"], r["version"], r["type"]) for r in records] == [
+        ("op-search", 1, "Proposed"), ("op-search", 2, "Validated"), ("op-search", 3, "Readied"),
+        ("op-email", 1, "Proposed"), ("op-email", 2, "Validated"),
+        ("op-email", 3, "ApprovalRequested"),
+    ]
+    assert all(len(record["event_hash"]) == 64 for record in records)
+    # send_customer_email marks /body sensitive: the export carries its hash only.
+    assert set(records[4]["event"]["arguments"]["body"]) == {"sha256"}
+    assert "Thanks for writing" not in target.read_text()
+
+
+def test_audit_export_defaults_to_stdout(ledger_ids, capsys):
+    code, out, err = _run(capsys, "audit", "export")
+
+    assert code == 0
+    assert err == "exported 6 events to stdout\n"
+    assert [json.loads(line)["type"] for line in out.splitlines()] == [
+        "Proposed", "Validated", "Readied", "Proposed", "Validated", "ApprovalRequested"
+    ]
+
+
+def test_audit_export_to_an_unwritable_path_is_one_line(ledger_ids, home, capsys):
+    code, out, err = _run(capsys, "audit", "export", "--output", str(home / "no" / "x.jsonl"))
+
+    assert (code, out) == (2, "")
+    assert err.startswith("error: INVALID_ARGUMENT: cannot write ")
+    assert err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- approvals
+
+
+def test_approvals_list_shows_the_pending_request(ledger_ids, capsys):
+    code, out, err = _run(capsys, "approvals", "list")
+
+    assert (code, err) == (0, "")
+    header, *rows = out.splitlines()
+    assert header.split()[:7] == [
+        "OPERATION", "APPROVAL", "TOOL", "ACTOR", "TENANT", "RISK", "APPROVALS"
+    ]
+    assert len(rows) == 1
+    assert rows[0].split()[:7] == [
+        "op-email", ledger_ids["approval_id"], "send_customer_email@1.0.0", "alice", "acme",
+        "high", "0/1",
+    ]
+
+    (pending,) = _json(capsys, "approvals", "list")
+    assert pending["operation_id"] == "op-email"
+    assert (pending["approvals_granted"], pending["approvals_required"]) == (0, 1)
+    assert pending["approval_expires_at"].endswith("Z")
+
+
+def test_approvals_show_explains_the_effect_for_people(ledger_ids, capsys):
+    code, out, err = _run(capsys, "approvals", "show", "op-email")
+
+    assert (code, err) == (0, "")
+    assert out.startswith(
+        f"Approval request {ledger_ids['approval_id']} for send_customer_email (version 1.0.0)\n"
+        "Operation op-email: awaiting approval (0 of 1 approvals)\n"
+    )
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+              for line in out.splitlines() if line.startswith("  ") and ":" in line}
+    assert fields["Effect"] == "changes data; this CANNOT be undone"
+    assert fields["Risk"] == "HIGH"
+    assert fields["Why this risk"] == "the tool's usual risk"
+    assert fields["Requested by"] == "alice (tenant acme, development)"
+    assert fields["Who approves"] == (
+        "1 approval(s) from role support_lead; the requester may not approve"
+    )
+    assert fields["recipient_ids"] == "cus-0001"
+    assert fields["template"] == "support_received"
+    assert fields["body"] == "Thanks for writing to us."
+    assert fields["Expires"].endswith(" UTC")
+    assert f"Proposal hash: {ledger_ids['proposal_hash']}" in out
+    assert (
+        f"--role support_lead --proposal-hash {ledger_ids['proposal_hash']}" in out
+    )
+
+    data = _json(capsys, "approvals", "show", "op-email")
+    assert data["effect"] == "irreversible_write"
+    assert data["reversible"] is False
+    assert data["arguments"] == EMAIL_ARGUMENTS
+    assert data["approver_roles"] == ["support_lead"]
+    assert data["proposal_hash"] == ledger_ids["proposal_hash"]
+
+
+def test_approvals_show_of_an_operation_without_approval_is_an_error(ledger_ids, capsys):
+    code, out, err = _run(capsys, "approvals", "show", "op-search")
+
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: NO_APPROVAL_REQUEST: the operation never asked for approval (it is ready)"
+        " (operation_id=op-search)\n"
+    )
+
+
+def test_approve_with_the_wrong_hash_is_refused(ledger_ids, capsys):
+    code, out, err = _run(
+        capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
+        "--proposal-hash", "f" * 64,
+    )
+
+    assert (code, out) == (2, "")
+    assert err.startswith("error: APPROVAL_REFUSED: approval refused: proposal_hash_mismatch")
+    assert "Traceback" not in err
+    data = _json(capsys, "ops", "show", "op-email")
+    assert data["state"] == "awaiting_approval"
+    assert data["timeline"][-1]["type"] == "ApprovalRefused"
+    assert data["timeline"][-1]["summary"] == "approval by bob refused: proposal_hash_mismatch"
+
+
+def test_the_requester_cannot_approve_their_own_call(ledger_ids, capsys):
+    code, _, err = _run(
+        capsys, "approvals", "approve", "op-email", "--as", "alice", "--role", "support_lead",
+        "--proposal-hash", ledger_ids["proposal_hash"],
+    )
+
+    assert code == 2
+    assert "APPROVAL_REFUSED: approval refused: requester_cannot_approve" in err
+
+
+def test_approve_with_the_right_hash_by_another_user_makes_it_ready(ledger_ids, capsys):
+    code, out, err = _run(
+        capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
+        "--role", "auditor", "--proposal-hash", ledger_ids["proposal_hash"],
+    )
+
+    assert (code, err) == (0, "")
+    assert out == (
+        "approved op-email as bob (1 of 1 approvals): it is ready to run (state ready)\n"
+    )
+    data = _json(capsys, "ops", "show", "op-email")
+    assert data["state"] == "ready"
+    assert data["approvers"] == ["bob"]
+    assert [e["type"] for e in data["timeline"]][-2:] == ["ApprovalGranted", "Readied"]
+    assert _json(capsys, "approvals", "list") == []
+
+
+def test_approve_json_reports_the_new_state(ledger_ids, capsys):
+    data = _json(
+        capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
+        "--proposal-hash", ledger_ids["proposal_hash"],
+    )
+
+    assert data == {
+        "operation_id": "op-email", "decision": "approved", "by": "bob", "state": "ready",
+        "approval_id": ledger_ids["approval_id"], "approved_by": ["bob"], "required_approvals": 1,
+    }
+
+
+def test_deny_stops_the_operation(ledger_ids, capsys):
+    code, out, err = _run(
+        capsys, "approvals", "deny", "op-email", "--as", "bob", "--reason", "wrong customer"
+    )
+
+    assert (code, err) == (0, "")
+    assert out == "denied op-email as bob: it will not run (state approval_denied)\n"
+    data = _json(capsys, "ops", "show", "op-email")
+    assert data["state"] == "approval_denied"
+    assert data["outcome"] == {"status": "approval_denied", "by": "bob"}
+    assert data["timeline"][-1]["summary"] == "denied by bob: wrong customer"
+
+    code, _, err = _run(
+        capsys, "approvals", "approve", "op-email", "--as", "carol", "--role", "support_lead",
+        "--proposal-hash", ledger_ids["proposal_hash"],
+    )
+    assert code == 2
+    assert err.startswith("error: ILLEGAL_TRANSITION: cannot grant approval to an operation"
+                          " that is approval_denied")
+
+
+def test_approve_of_an_unknown_operation_exits_2(ledger_ids, capsys):
+    code, out, err = _run(
+        capsys, "approvals", "approve", "op-nope", "--as", "bob", "--role", "support_lead",
+        "--proposal-hash", ledger_ids["proposal_hash"],
+    )
+
+    assert (code, out) == (2, "")
+    assert err == "error: OPERATION_NOT_FOUND: no such operation (operation_id=op-nope)\n"
+
+
+# ---------------------------------------------------------------------------- settings
+
+
+def test_a_database_of_unknown_scheme_is_one_line_without_the_password(home, monkeypatch,
+                                                                        capsys):
+    monkeypatch.setenv("OPLEDGER_DATABASE", "mysql://ledger:s3cret@db.internal/ledger")
+
+    code, out, err = _run(capsys, "ops", "list")
+
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: INVALID_CONFIG: database has the unknown scheme 'mysql://'; give a SQLite file"
+        " path or a postgresql:// DSN (setting=database)\n"
+    )
+    assert "s3cret" not in err
+
+
+def test_a_missing_contracts_dir_is_one_line(home, monkeypatch, capsys):
+    monkeypatch.setenv("OPLEDGER_CONTRACTS_DIR", str(home / "missing"))
+
+    code, out, err = _run(capsys, "--json", "audit", "verify")
+
+    assert (code, out) == (2, "")
+    envelope = json.loads(err)
+    assert envelope["error"]["code"] == "INVALID_CONFIG"
+    assert envelope["error"]["message"] == (
+        f"contracts_dir {home / 'missing'} does not exist or is not a directory"
+    )
+
+
+def test_settings_come_from_the_toml_file_in_home(home, capsys):
+    (home / "opledger.toml").write_text(f'database = "{home / "from-toml.db"}"\n')
+
+    code, out, _ = _run(capsys, "ops", "list")
+
+    assert (code, out) == (0, "no operations match\n")
+    assert (home / "from-toml.db").is_file()
+    assert not (home / "ledger.db").exists()
+
+
+def test_an_unknown_key_in_the_toml_file_is_one_line(home, capsys):
+    (home / "opledger.toml").write_text('databse = "x.db"\n')
+
+    code, _, err = _run(capsys, "ops", "list")
+
+    assert code == 2
+    assert err == (
+        "error: INVALID_CONFIG: unknown setting 'databse' (check opledger.toml)"
+        " (setting=databse)\n"
+    )
