@@ -25,7 +25,7 @@ from pathlib import Path
 import psycopg
 from eventsourcing.persistence import StoredEvent
 
-from ledger import Ledger, StorageConfig, build_ledger
+from ledger import LeaseGrant, Ledger, StorageConfig, build_ledger
 from policy import ContractRegistry, InMemoryTargetResolver
 from policy.catalog import CATALOG_DIR, SAMPLE_RULES, sample_targets
 from schemas import Provenance, ResultEnvelope, RuntimeContext, ToolProposal
@@ -60,7 +60,12 @@ def _happy_path(ledger: Ledger, ops: int, batch: int) -> float:
         submissions = ledger.submit_many(
             [(_proposal(n), CONTEXT) for n in range(first, min(first + batch, ops))]
         )
-        grants = ledger.claim_many([s.operation_id for s in submissions], executor="bench")
+        grants = [
+            grant
+            for grant in ledger.claim_many([s.operation_id for s in submissions], executor="bench")
+            if isinstance(grant, LeaseGrant)
+        ]
+        assert len(grants) == len(submissions)
         now = datetime.now(UTC)
         ledger.record_results(
             [

@@ -9,12 +9,16 @@ against the fresh state, which either succeeds or refuses cleanly.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import IO, Any, TypeVar
 
+import orjson
 from eventsourcing.application import AggregateNotFoundError
 from eventsourcing.persistence import IntegrityError
 
@@ -22,15 +26,19 @@ from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.results import ResultStore
 from ledger.adapters.sql import SqlDatabase
 from ledger.audit.export import export_jsonl
-from ledger.audit.verify import VerificationReport, verify_ledger
+from ledger.audit.verify import StoredRow, VerificationReport, verify_ledger
 from ledger.budget import LedgerBudgetCounter
-from ledger.domain.errors import ApprovalRefused, OperationConflict, OperationNotFound
+from ledger.domain.errors import (
+    ApprovalRefused,
+    LedgerError,
+    OperationConflict,
+    OperationNotFound,
+)
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState, ResultDisposition
 from ledger.projections.operations_view import OperationsProjector
 from policy import ProposalChecker, ToolContract
 from schemas import (
-    CanonicalizationError,
     Decision,
     DecisionOutcome,
     ResultEnvelope,
@@ -79,8 +87,9 @@ class LeaseGrant:
 def fingerprint(proposal: ToolProposal, context: RuntimeContext) -> str:
     """What makes two submissions "the same call" for idempotency.
 
-    Raw arguments may not be canonical JSON (a syntax error, a huge integer);
-    those are fingerprinted by their repr, which is still deterministic.
+    Internal only (never compared across languages), so orjson with sorted
+    keys is enough; values orjson cannot encode (a huge integer) fall back to
+    their repr, which is still deterministic.
     """
     body = {
         "tool": proposal.tool_name,
@@ -89,9 +98,10 @@ def fingerprint(proposal: ToolProposal, context: RuntimeContext) -> str:
         "tenant": context.tenant,
     }
     try:
-        return sha256_hex(canonical_json(body))
-    except CanonicalizationError:
-        return sha256_hex(repr(sorted(body.items())).encode())
+        encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        encoded = repr(sorted(body.items())).encode()
+    return sha256_hex(encoded)
 
 
 class Ledger:
@@ -109,6 +119,7 @@ class Ledger:
         new_id: Callable[[], str] = lambda: f"op-{uuid.uuid4()}",
         lease_ttl: timedelta = timedelta(seconds=60),
         conflict_retries: int = 5,
+        cache_size: int = 10_000,
     ) -> None:
         self.events = events
         self.db = db
@@ -120,13 +131,22 @@ class Ledger:
         self._new_id = new_id
         self._lease_ttl = lease_ttl
         self._conflict_retries = conflict_retries
+        # Operations this instance wrote last, for commands only. A stale entry
+        # is harmless: its append fails on the version check and the command
+        # runs again on the stored state; a refusal from a cached state is
+        # likewise re-checked against the stored one before it is believed.
+        self._cache: OrderedDict[str, Operation] = OrderedDict()
+        self._cache_size = cache_size
+        self._cache_lock = threading.Lock()
 
     # ------------------------------------------------------------------ reading
 
     def get(self, operation_id: str, *, version: int | None = None) -> Operation:
         """The operation as of now, or as of `version` (for auditors' replay)."""
         try:
-            operation: Operation = self.events.repository.get(operation_id, version=version)
+            operation: Operation = self.events.repository.get(
+                operation_id, version=version, projector_func=_replay
+            )
         except AggregateNotFoundError:
             raise OperationNotFound("no such operation", operation_id=operation_id) from None
         return operation
@@ -205,7 +225,7 @@ class Ledger:
                 )
         if new:
             try:
-                self.events.save(*(operation for _, operation, _ in new))
+                self._save(*(operation for _, operation, _ in new))
             except IntegrityError:
                 # Another writer created one of these IDs meanwhile: settle one by one.
                 if self._budget is not None:
@@ -289,17 +309,55 @@ class Ledger:
 
     # ---------------------------------------------------------------- commands
 
+    def _save(self, *operations: Operation) -> None:
+        """Append the new events of `operations` atomically, and remember them."""
+        events = [event for operation in operations for event in operation.collect_events()]
+        try:
+            self.events.events.put(events)
+        except BaseException:
+            self._forget(*(operation.id for operation in operations))
+            raise
+        with self._cache_lock:
+            for operation in operations:
+                self._cache[operation.id] = operation
+                self._cache.move_to_end(operation.id)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
+    def _forget(self, *operation_ids: str) -> None:
+        with self._cache_lock:
+            for operation_id in operation_ids:
+                self._cache.pop(operation_id, None)
+
+    def _cached(self, operation_id: str) -> Operation | None:
+        with self._cache_lock:
+            return self._cache.get(operation_id)
+
     def _update(self, operation_id: str, command: Callable[[Operation], T]) -> T:
-        """Run `command` on the fresh operation and save; on a lost race, again."""
+        """Run `command` on the operation and save; on a lost race, again on fresh state."""
+        operation = self._cached(operation_id)
         for _ in range(self._conflict_retries):
-            operation = self.get(operation_id)
-            answer = command(operation)
+            from_cache = operation is not None
+            if operation is None:
+                operation = self.get(operation_id)
+            try:
+                answer = command(operation)
+            except LedgerError:
+                self._forget(operation_id)
+                if from_cache:
+                    operation = None  # believe a refusal only from the stored state
+                    continue
+                raise
+            except BaseException:
+                self._forget(operation_id)
+                raise
             if not operation.pending_events:
                 return answer
             try:
-                self.events.save(operation)
+                self._save(operation)
             except IntegrityError:
                 _log.debug("lost a race on %s; retrying", operation_id)
+                operation = None
                 continue
             return answer
         raise OperationConflict(
@@ -376,29 +434,85 @@ class Ledger:
 
         return self._update(operation_id, command)
 
-    def claim_many(self, operation_ids: Sequence[str], *, executor: str) -> list[LeaseGrant]:
-        """Lease many ready operations with one append (for batching services)."""
-        operations = [self.get(operation_id) for operation_id in operation_ids]
+    def claim_many(
+        self, operation_ids: Sequence[str], *, executor: str
+    ) -> list[LeaseGrant | LedgerError]:
+        """Lease many ready operations with one append (for batching services).
+
+        Each item is a grant, or the error that refused it. A lost race falls
+        back to claiming one by one.
+        """
         now = self._clock()
-        grants = [
-            _grant(op, op.claim_lease(executor=executor, ttl=self._lease_ttl, now=now))
-            for op in operations
-        ]
-        self.events.save(*operations)
-        return grants
+
+        def claim(operation: Operation) -> LeaseGrant:
+            token = operation.claim_lease(executor=executor, ttl=self._lease_ttl, now=now)
+            return _grant(operation, token)
+
+        return self._batch([(operation_id, claim) for operation_id in operation_ids])
 
     def record_result(self, envelope: ResultEnvelope) -> ResultDisposition:
         """Record an executor's result; retries a retryable failure when the policy allows."""
-        return self._update(envelope.operation_id, lambda op: self._apply_result(op, envelope))
+        kept: list[tuple[str, ResultEnvelope]] = []
+        disposition = self._update(
+            envelope.operation_id, partial(self._apply_result, envelope=envelope, kept=kept)
+        )
+        self.results.put_many(kept[-1:])
+        return disposition
 
-    def record_results(self, envelopes: Sequence[ResultEnvelope]) -> list[ResultDisposition]:
+    def record_results(
+        self, envelopes: Sequence[ResultEnvelope]
+    ) -> list[ResultDisposition | LedgerError]:
         """Record many results with one append (for batching services)."""
-        operations = {e.operation_id: self.get(e.operation_id) for e in envelopes}
-        dispositions = [self._apply_result(operations[e.operation_id], e) for e in envelopes]
-        self.events.save(*operations.values())
-        return dispositions
+        kept: list[tuple[str, ResultEnvelope]] = []
+        answers = self._batch([
+            (envelope.operation_id, partial(self._apply_result, envelope=envelope, kept=kept))
+            for envelope in envelopes
+        ])
+        # After the events: a kept envelope without its event would be harmless,
+        # an event pointing at no envelope would not.
+        self.results.put_many(kept)
+        return answers
 
-    def _apply_result(self, operation: Operation, envelope: ResultEnvelope) -> ResultDisposition:
+    def _batch(
+        self, items: Sequence[tuple[str, Callable[[Operation], T]]]
+    ) -> list[T | LedgerError]:
+        """Run one command per operation and save all changes in one append."""
+        if len({operation_id for operation_id, _ in items}) != len(items):
+            return [self._one(operation_id, command) for operation_id, command in items]
+        answers: list[T | LedgerError] = []
+        changed: list[Operation] = []
+        for operation_id, command in items:
+            try:
+                operation = self._cached(operation_id) or self.get(operation_id)
+                answers.append(command(operation))
+            except LedgerError as error:
+                self._forget(operation_id)
+                answers.append(error)
+                continue
+            if operation.pending_events:
+                changed.append(operation)
+        try:
+            self._save(*changed)
+        except IntegrityError:
+            return [self._one(operation_id, command) for operation_id, command in items]
+        for index, answer in enumerate(answers):
+            if isinstance(answer, LedgerError):  # it may come from a stale cached state
+                answers[index] = self._one(*items[index])
+        return answers
+
+    def _one(self, operation_id: str, command: Callable[[Operation], T]) -> T | LedgerError:
+        try:
+            return self._update(operation_id, command)
+        except LedgerError as error:
+            return error
+
+    def _apply_result(
+        self,
+        operation: Operation,
+        envelope: ResultEnvelope,
+        kept: list[tuple[str, ResultEnvelope]],
+    ) -> ResultDisposition:
+        """Record one result on a loaded operation (no save); `kept` gets its envelope."""
         now = self._clock()
         attempt = envelope.provenance.attempt
         reference = ResultStore.reference(operation.id, attempt)
@@ -423,7 +537,7 @@ class Ledger:
             reason=error.message if error else "",
         )
         if disposition is ResultDisposition.ACCEPTED:
-            self.results.put(reference, envelope)
+            kept.append((reference, envelope))
             if operation.can_retry:
                 contract = self.contract_of(operation)
                 delay = contract.retry.backoff_ms(operation.attempt) if contract else 0
@@ -477,24 +591,46 @@ class Ledger:
 
     def verify(self, *, expected_head: str | None = None) -> VerificationReport:
         """Check every event's hash chain and the sealed global digest."""
-        stored_keys = self.db.query(
-            f"SELECT originator_id, originator_version FROM {self.events_table}"
-        )
         return verify_ledger(
-            self.events.recorder,
-            self.projector.digest_rows(),
-            stored_keys=[(str(key[0]), int(key[1])) for key in stored_keys],
-            expected_head=expected_head,
+            self.stored_rows(), self.projector.digest_rows(), expected_head=expected_head
         )
+
+    def stored_rows(self, page: int = 10_000) -> Iterator[StoredRow]:
+        """Every row of the events table in position order, straight from SQL.
+
+        Auditors read the table itself, not the library's notification log, so
+        that no row can hide at a position the log does not show.
+        """
+        position = "notification_id" if self.db.is_postgres else "rowid"
+        after = -(2**63)
+        while True:
+            rows = self.db.query(
+                f"SELECT {position}, originator_id, originator_version, topic, state"
+                f" FROM {self.events_table} WHERE {position} > ? ORDER BY {position} LIMIT ?",
+                (after, page),
+            )
+            # Both drivers already return (int, str, int, str, bytes): no conversion.
+            yield from rows
+            if len(rows) < page:
+                return
+            after = int(rows[-1][0])
 
     def export(self, out: IO[bytes]) -> int:
         """Write the ledger as JSON Lines, sensitive argument values hashed."""
-        return export_jsonl(self.events.recorder, self.checker.catalog, out)
+        return export_jsonl(self.stored_rows(), self.checker.catalog, out)
 
     def close(self) -> None:
         """Release database connections."""
         self.db.close()
         self.events.close()
+
+
+def _replay(operation: Operation | None, events: Iterable[Any]) -> Operation | None:
+    """Apply stored events in order (the library's projector, minus a costly
+    runtime protocol check per event on Python 3.11)."""
+    for event in events:
+        operation = event.mutate(operation)
+    return operation
 
 
 def _grant(operation: Operation, token: int) -> LeaseGrant:

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 import rfc8785
 
 __all__ = ["CanonicalizationError", "canonical_json", "proposal_hash", "sha256_hex"]
@@ -21,8 +22,52 @@ class CanonicalizationError(ValueError):
     """A value has no canonical JSON form (NaN, huge integer, non-JSON type)."""
 
 
+_SAFE_INT = 2**53 - 1
+_SURROGATES_START = "\ud800"
+
+
+def _orjson_is_canonical(value: Any) -> bool:
+    """Whether orjson with sorted keys writes exactly RFC 8785 for `value`.
+
+    True for JSON without floats, with integers in the interoperable range and
+    object keys below U+D800: there, RFC 8785's UTF-16 key order equals
+    orjson's code-point order and both escape strings identically (the
+    equivalence is property-tested against `rfc8785`). Anything else takes
+    the reference implementation.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if item is None or item is True or item is False or type(item) is str:
+            continue
+        if type(item) is int:
+            if -_SAFE_INT <= item <= _SAFE_INT:
+                continue
+            return False
+        if type(item) is list:
+            stack.extend(item)
+            continue
+        if type(item) is dict:
+            for key in item:
+                if type(key) is not str or (key and max(key) >= _SURROGATES_START):
+                    return False
+            stack.extend(item.values())
+            continue
+        return False  # floats, tuples, subclasses: the reference implementation decides
+    return True
+
+
 def canonical_json(value: Any) -> bytes:
-    """Encode *value* as RFC 8785 canonical JSON bytes."""
+    """Encode *value* as RFC 8785 canonical JSON bytes.
+
+    `rfc8785` is the reference; for the common case it is 10-20 times slower
+    than orjson, which produces identical bytes there (see `_orjson_is_canonical`).
+    """
+    if _orjson_is_canonical(value):
+        try:
+            return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        except TypeError:
+            pass  # e.g. a lone surrogate in a string: let the reference report it
     try:
         return rfc8785.dumps(value)
     except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:

@@ -12,6 +12,7 @@ from eventsourcing.utils import get_topic, resolve_topic
 from pydantic import BaseModel
 
 from ledger.adapters.storage import StorageConfig
+from ledger.domain.events import LedgerEvent, encoded_event, remember_stored_form
 
 __all__ = ["EventStoreApp", "OrjsonTranscoder", "PydanticMapper"]
 
@@ -20,24 +21,29 @@ class PydanticMapper(Mapper[str]):
     """Stores an event as its complete JSON-mode pydantic dump.
 
     The stored state is byte-for-byte what `ledger.domain.events.event_hash`
-    hashes (after decoding), so auditors can verify rows without the classes.
+    hashed, so auditors can verify rows without the classes.
     """
 
     def to_stored_event(self, domain_event: DomainEventProtocol[str]) -> StoredEvent:
-        """Encode one event."""
-        state = cast(BaseModel, domain_event).model_dump(mode="json")
+        """Encode one event (ledger events were encoded once already, when hashed)."""
+        if isinstance(domain_event, LedgerEvent):
+            state = encoded_event(domain_event)
+        else:
+            state = self.transcoder.encode(cast(BaseModel, domain_event).model_dump(mode="json"))
         return StoredEvent(
             originator_id=domain_event.originator_id,
             originator_version=domain_event.originator_version,
             topic=get_topic(type(domain_event)),
-            state=self.transcoder.encode(state),
+            state=state,
         )
 
     def to_domain_event(self, stored_event: StoredEvent) -> DomainEventProtocol[str]:
         """Decode one event, restoring its types through pydantic."""
         cls = resolve_topic(stored_event.topic)
-        state = self.transcoder.decode(stored_event.state)
-        return cast(DomainEventProtocol[str], cls.model_validate(state))
+        event = cls.model_validate(self.transcoder.decode(stored_event.state))
+        if isinstance(event, LedgerEvent):
+            remember_stored_form(event, bytes(stored_event.state))
+        return cast(DomainEventProtocol[str], event)
 
 
 class OrjsonTranscoder(Transcoder):

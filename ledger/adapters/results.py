@@ -7,6 +7,8 @@ without breaking the hash chain.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import orjson
 
 from ledger.adapters.sql import SqlDatabase
@@ -32,11 +34,18 @@ class ResultStore:
 
     def put(self, reference: str, envelope: ResultEnvelope) -> None:
         """Keep an envelope; the first one for a reference wins."""
-        self._db.execute(
-            "INSERT INTO opledger_results (result_ref, operation_id, envelope) VALUES (?, ?, ?)"
-            " ON CONFLICT (result_ref) DO NOTHING",
-            (reference, envelope.operation_id, envelope.model_dump_json()),
-        )
+        self.put_many([(reference, envelope)])
+
+    def put_many(self, items: Sequence[tuple[str, ResultEnvelope]]) -> None:
+        """Keep many envelopes in one transaction; the first one for a reference wins."""
+        if not items:
+            return
+        with self._db.transaction():
+            self._db.executemany(
+                "INSERT INTO opledger_results (result_ref, operation_id, envelope)"
+                " VALUES (?, ?, ?) ON CONFLICT (result_ref) DO NOTHING",
+                [(ref, env.operation_id, env.model_dump_json()) for ref, env in items],
+            )
 
     def get(self, reference: str) -> ResultEnvelope | None:
         """The envelope under `reference`, if kept."""

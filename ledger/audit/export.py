@@ -8,14 +8,13 @@ preview). Hashes keep them comparable across events without revealing them.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import IO, Any
 
 import orjson
-from eventsourcing.persistence import ApplicationRecorder
 
-from ledger.audit.verify import _notifications
-from ledger.domain.hashing import state_hash
+from ledger.audit.verify import StoredRow
+from ledger.domain.hashing import stored_event_hash
 from policy import ToolContract
 from schemas import canonical_json, sha256_hex
 
@@ -63,7 +62,7 @@ def _redact_event(state: dict[str, Any], sensitive: tuple[str, ...]) -> dict[str
 
 
 def exported_events(
-    recorder: ApplicationRecorder, contracts: Mapping[str, ToolContract]
+    rows: Iterable[StoredRow], contracts: Mapping[str, ToolContract]
 ) -> Iterator[dict[str, Any]]:
     """Every event in global order, as an export record, sensitive values hashed.
 
@@ -72,31 +71,30 @@ def exported_events(
     so an export can be checked against a later verification.
     """
     tools: dict[str, str] = {}
-    for note in _notifications(recorder, 5000):
-        state = orjson.loads(note.state)
-        operation_id = str(note.originator_id)
-        if "tool" in state and note.originator_version == 1:
+    for position, operation_id, version, topic, stored in rows:
+        state = orjson.loads(stored)
+        if "tool" in state and version == 1:
             tools[operation_id] = state["tool"]
         contract = contracts.get(tools.get(operation_id, ""))
         sensitive = contract.sensitive_arguments if contract else ()
         yield {
-            "notification_id": note.id,
+            "notification_id": position,
             "operation_id": operation_id,
-            "version": note.originator_version,
-            "type": note.topic.rsplit(".", 1)[-1],
+            "version": version,
+            "type": topic.rsplit(".", 1)[-1],
             "timestamp": state.get("timestamp"),
-            "event_hash": state_hash(note.topic, state),
+            "event_hash": stored_event_hash(topic, stored),
             "prev_hash": state.get("prev_hash"),
             "event": _redact_event(state, sensitive),
         }
 
 
 def export_jsonl(
-    recorder: ApplicationRecorder, contracts: Mapping[str, ToolContract], out: IO[bytes]
+    rows: Iterable[StoredRow], contracts: Mapping[str, ToolContract], out: IO[bytes]
 ) -> int:
     """Write the export to `out`, one JSON object per line; returns the count."""
     count = 0
-    for record in exported_events(recorder, contracts):
+    for record in exported_events(rows, contracts):
         out.write(orjson.dumps(record) + b"\n")
         count += 1
     return count

@@ -19,16 +19,15 @@ rewrote the seal itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import orjson
-from eventsourcing.persistence import ApplicationRecorder, Notification
 
-from ledger.domain.hashing import GENESIS_HASH, chain_digest, state_hash
+from ledger.domain.hashing import GENESIS_HASH, chain_digest, stored_event_hash
 
-__all__ = ["Finding", "FindingKind", "VerificationReport", "verify_ledger"]
+__all__ = ["Finding", "FindingKind", "StoredRow", "VerificationReport", "verify_ledger"]
 
 
 class FindingKind(StrEnum):
@@ -78,29 +77,22 @@ class VerificationReport:
         return not self.findings
 
 
-def _notifications(recorder: ApplicationRecorder, batch: int) -> Iterator[Notification]:
-    start = 0
-    while True:
-        page = recorder.select_notifications(start=start, limit=batch, inclusive_of_start=False)
-        yield from page
-        if len(page) < batch:
-            return
-        start = page[-1].id
+StoredRow = tuple[int, str, int, str, bytes]
+"""(position in the global order, operation ID, version, topic, stored state)."""
 
 
 def verify_ledger(
-    recorder: ApplicationRecorder,
+    rows: Iterable[StoredRow],
     seal: Sequence[tuple[int, str, int, str, str]],
     *,
-    stored_keys: Iterable[tuple[str, int]] = (),
     expected_head: str | None = None,
-    batch: int = 5000,
 ) -> VerificationReport:
     """Verify every stored event against its chain and the sealed digest.
 
-    `stored_keys` are the (operation, version) pairs of every row in the events
-    table, read directly: a row slipped in outside the notification order (a
-    negative or zero position) is invisible to the log but not to replay.
+    `rows` are every row of the events table in position order, read directly
+    rather than through the library's notification log: a row slipped in at a
+    position the log never shows (zero or negative) would still be replayed
+    into its operation, so it must be seen here too.
     """
     report = VerificationReport()
     sealed = {row[0]: row for row in seal}
@@ -108,128 +100,67 @@ def verify_ledger(
     last_hash: dict[str, str] = {}
     last_version: dict[str, int] = {}
     seen_ids: set[int] = set()
-    seen_keys: set[tuple[str, int]] = set()
     digest = GENESIS_HASH
     findings = report.findings
+    last_sealed = seal[-1][0] if seal else 0
 
-    for note in _notifications(recorder, batch):
-        report.events_checked += 1
-        seen_ids.add(note.id)
-        operation, version = str(note.originator_id), note.originator_version
-        seen_keys.add((operation, version))
+    loads, hash_of = orjson.loads, stored_event_hash
+    for position, operation, version, topic, stored in rows:
+        seen_ids.add(position)
         try:
-            state = orjson.loads(note.state)
+            state = loads(stored)
         except orjson.JSONDecodeError:
-            findings.append(
-                Finding(
-                    FindingKind.MODIFIED, note.id, operation, version, "stored state is not JSON"
-                )
-            )
+            findings.append(Finding(FindingKind.MODIFIED, position, operation, version,
+                                    "stored state is not JSON"))
             continue
         if state.get("originator_id") != operation or state.get("originator_version") != version:
-            findings.append(
-                Finding(
-                    FindingKind.MISLABELED,
-                    note.id,
-                    operation,
-                    version,
-                    "row and stored event disagree on operation or version",
-                )
-            )
-        event_hash = state_hash(note.topic, state)
-
-        expected_version = last_version.get(operation, 0) + 1
-        if version != expected_version:
-            findings.append(
-                Finding(
-                    FindingKind.VERSION_GAP,
-                    note.id,
-                    operation,
-                    version,
-                    f"expected version {expected_version} after {expected_version - 1}",
-                )
-            )
-        previous = last_hash.get(operation, GENESIS_HASH) if version == expected_version else None
-        if previous is not None and state.get("prev_hash") != previous:
-            findings.append(
-                Finding(
-                    FindingKind.CHAIN_BROKEN,
-                    note.id,
-                    operation,
-                    version,
-                    "prev_hash is not the hash of the event before it",
-                )
-            )
+            findings.append(Finding(FindingKind.MISLABELED, position, operation, version,
+                                    "row and stored event disagree on operation or version"))
+        event_hash = hash_of(topic, stored)
+        previous_version = last_version.get(operation, 0)
+        if version != previous_version + 1:
+            findings.append(Finding(FindingKind.VERSION_GAP, position, operation, version,
+                                    f"expected version {previous_version + 1} after"
+                                    f" {previous_version}"))
+        elif state.get("prev_hash") != last_hash.get(operation, GENESIS_HASH):
+            findings.append(Finding(FindingKind.CHAIN_BROKEN, position, operation, version,
+                                    "prev_hash is not the hash of the event before it"))
         last_hash[operation] = event_hash
         last_version[operation] = version
 
-        seal_row = sealed.get(note.id)
+        seal_row = sealed.get(position)
         if seal_row is None:
-            if seal and note.id <= seal[-1][0]:
-                findings.append(
-                    Finding(
-                        FindingKind.INSERTED,
-                        note.id,
-                        operation,
-                        version,
-                        "event is not in the sealed digest chain",
-                    )
-                )
+            if position <= 0:
+                findings.append(Finding(FindingKind.INSERTED, position, operation, version,
+                                        "a stored event is outside the notification order"))
+            elif position <= last_sealed:
+                findings.append(Finding(FindingKind.INSERTED, position, operation, version,
+                                        "event is not in the sealed digest chain"))
             else:
                 report.unsealed_events += 1
-            continue
-        report.sealed_events += 1
-        if seal_row[3] != event_hash:
+        elif seal_row[3] != event_hash:
             elsewhere = sealed_position_of_hash.get(event_hash)
-            if elsewhere is not None and elsewhere != note.id:
-                findings.append(
-                    Finding(
-                        FindingKind.REORDERED,
-                        note.id,
-                        operation,
-                        version,
-                        f"this event was sealed at #{elsewhere}",
-                    )
-                )
+            if elsewhere is not None and elsewhere != position:
+                findings.append(Finding(FindingKind.REORDERED, position, operation, version,
+                                        f"this event was sealed at #{elsewhere}"))
             else:
-                findings.append(
-                    Finding(
-                        FindingKind.MODIFIED,
-                        note.id,
-                        operation,
-                        version,
-                        "event hash differs from the sealed hash",
-                    )
-                )
+                findings.append(Finding(FindingKind.MODIFIED, position, operation, version,
+                                        "event hash differs from the sealed hash"))
+    report.events_checked = len(seen_ids)
+    report.sealed_events = report.events_checked - report.unsealed_events - sum(
+        1 for f in findings if f.kind is FindingKind.INSERTED
+    )
 
-    for notification_id, operation, version, event_hash, running in seal:
+    for notification_id, operation, version, sealed_hash, running in seal:
         if notification_id not in seen_ids:
-            findings.append(
-                Finding(
-                    FindingKind.DELETED,
-                    notification_id,
-                    operation,
-                    version,
-                    "a sealed event is missing",
-                )
-            )
+            findings.append(Finding(FindingKind.DELETED, notification_id, operation, version,
+                                    "a sealed event is missing"))
         # The seal must be a chain of itself, or someone rewrote it.
-        digest = chain_digest(digest, event_hash)
+        digest = chain_digest(digest, sealed_hash)
         if running != digest:
-            findings.append(
-                Finding(
-                    FindingKind.MODIFIED,
-                    notification_id,
-                    operation,
-                    version,
-                    "the sealed running digest does not recompute",
-                )
-            )
+            findings.append(Finding(FindingKind.MODIFIED, notification_id, operation, version,
+                                    "the sealed running digest does not recompute"))
             digest = running
-    for operation, version in stored_keys:
-        if (str(operation), int(version)) not in seen_keys:
-            findings.append(Finding(FindingKind.INSERTED, None, str(operation), int(version),
-                                    "a stored event is outside the notification order"))
     report.operations_checked = len(last_version)
     report.head_digest = seal[-1][4] if seal else GENESIS_HASH
     if expected_head is not None and report.head_digest != expected_head:

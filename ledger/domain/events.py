@@ -1,22 +1,27 @@
 """The base of every ledger event: a frozen pydantic model the library can apply.
 
 Pydantic events keep their types through the orjson transcoder (timestamps come
-back as datetimes), and give one JSON-mode dump that is both what is stored and
-what is hashed.
+back as datetimes). Each event is encoded once: the bytes it is hashed by are
+the bytes the event store keeps.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
+import orjson
 from eventsourcing.domain import CanInitAggregate, CanMutateAggregate
 from eventsourcing.utils import get_topic
 from pydantic import BaseModel, ConfigDict
 
-from ledger.domain.hashing import state_hash
+from ledger.domain.hashing import stored_event_hash
 
-__all__ = ["LedgerCreatedEvent", "LedgerEvent", "event_hash"]
+__all__ = ["LedgerCreatedEvent", "LedgerEvent", "encoded_event", "event_hash"]
+
+# Where an event keeps its encoding. A plain __dict__ entry, not a pydantic
+# private attribute: those cost more per event than the encoding itself. Never
+# `model_copy` an event: the copy would carry the original's bytes.
+_ENCODED = "_encoded"
 
 
 class LedgerEvent(BaseModel, CanMutateAggregate[str]):
@@ -36,7 +41,20 @@ class LedgerCreatedEvent(LedgerEvent, CanInitAggregate[str]):
     originator_topic: str
 
 
+def encoded_event(event: LedgerEvent) -> bytes:
+    """The event's stored form: its JSON-mode dump as orjson bytes, computed once."""
+    encoded: bytes | None = event.__dict__.get(_ENCODED)
+    if encoded is None:
+        encoded = orjson.dumps(event.model_dump(mode="json"))
+        event.__dict__[_ENCODED] = encoded
+    return encoded
+
+
+def remember_stored_form(event: LedgerEvent, stored: bytes) -> None:
+    """Attach the bytes an event was read from, so replay hashes exactly those."""
+    event.__dict__[_ENCODED] = stored
+
+
 def event_hash(event: LedgerEvent) -> str:
-    """The hash of `event` exactly as it will be stored."""
-    state: dict[str, Any] = event.model_dump(mode="json")
-    return state_hash(get_topic(type(event)), state)
+    """The hash of `event` exactly as it is (or will be) stored."""
+    return stored_event_hash(get_topic(type(event)), encoded_event(event))

@@ -1,34 +1,28 @@
 """Event hashes: what chains each operation's events and the global digest.
 
-An event's hash covers its topic and its complete JSON state, including the
-hash of the previous event of the same operation. The JSON state hashed is the
-exact dict the mapper stores, so an auditor can verify stored rows without
-reconstructing objects: decode, re-encode with sorted keys, hash.
+An event's hash is SHA-256 over its topic, a newline, and its encoded state:
+exactly the bytes the event store keeps. That state includes the hash of the
+previous event of the same operation. Hashing stored bytes (rather than a
+re-encoding) lets an auditor verify rows without decoding them into objects,
+and keeps old hashes valid if a JSON library ever changes its formatting.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
-from typing import Any
 
-import orjson
-
-__all__ = ["GENESIS_HASH", "chain_digest", "state_hash"]
+__all__ = ["GENESIS_HASH", "chain_digest", "stored_event_hash"]
 
 GENESIS_HASH = "0" * 64
 """The `prev_hash` of an operation's first event, and the digest before any event."""
 
 
-def state_hash(topic: str, state: Mapping[str, Any]) -> str:
-    """SHA-256 of an event given its topic and JSON-mode state.
-
-    Sorted keys make the encoding independent of field order; orjson's number
-    and string encodings are deterministic, and the state is JSON-mode data
-    (strings, numbers, lists, dicts) on both the write and the verify path.
-    """
-    body = orjson.dumps({"state": state, "topic": topic}, option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(body).hexdigest()
+def stored_event_hash(topic: str, state: bytes) -> str:
+    """SHA-256 of one stored event: its topic and its encoded state."""
+    digest = hashlib.sha256(topic.encode())
+    digest.update(b"\n")
+    digest.update(state)
+    return digest.hexdigest()
 
 
 def chain_digest(previous_digest: str, event_hash: str) -> str:

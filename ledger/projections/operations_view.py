@@ -17,7 +17,7 @@ import orjson
 from eventsourcing.persistence import ApplicationRecorder, Notification
 
 from ledger.adapters.sql import SqlDatabase
-from ledger.domain.hashing import GENESIS_HASH, chain_digest, state_hash
+from ledger.domain.hashing import GENESIS_HASH, chain_digest, stored_event_hash
 
 __all__ = ["VIEW_COLUMNS", "OperationRow", "OperationsProjector"]
 
@@ -187,7 +187,7 @@ class OperationsProjector:
             digests: list[tuple[Any, ...]] = []
             for notification in notifications:
                 state = orjson.loads(notification.state)
-                event_hash = state_hash(notification.topic, state)
+                event_hash = stored_event_hash(notification.topic, notification.state)
                 digest = chain_digest(digest, event_hash)
                 digests.append(
                     (
@@ -306,13 +306,11 @@ class OperationsProjector:
 
     def digest_rows(self) -> Sequence[tuple[int, str, int, str, str]]:
         """The digest chain: (notification ID, operation, version, event hash, digest)."""
-        return [
-            (int(r[0]), str(r[1]), int(r[2]), str(r[3]), str(r[4]))
-            for r in self._db.query(
-                "SELECT notification_id, operation_id, version, event_hash, running_digest"
-                " FROM opledger_digest ORDER BY notification_id"
-            )
-        ]
+        # Both drivers already return these types: no per-row conversion.
+        return self._db.query(
+            "SELECT notification_id, operation_id, version, event_hash, running_digest"
+            " FROM opledger_digest ORDER BY notification_id"
+        )
 
 
 def _iso(moment: datetime) -> str:

@@ -46,3 +46,54 @@ def test_proposal_hash_ignores_key_order() -> None:
 def test_proposal_hash_changes_with_every_bound_field(change: dict[str, object]) -> None:
     assert _hash() != _hash(**change)
     assert len(_hash()) == 64
+
+
+# The orjson fast path must agree with the reference implementation byte for byte.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import rfc8785  # noqa: E402
+
+from schemas._canonical import _orjson_is_canonical  # noqa: E402
+
+_any_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=20)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**53) + 1, max_value=2**53 - 1)
+    | _any_text,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(_any_text, children, max_size=4),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_json)
+def test_fast_path_is_byte_identical_to_rfc8785(value: object) -> None:
+    assert canonical_json(value) == rfc8785.dumps(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"\ue000": 1, "\U0001f600": 2},  # UTF-16 order differs from code-point order
+        {"x": 1.5},
+        {"x": 1.0},
+        {"n": 2**53},
+    ],
+)
+def test_values_outside_the_fast_path_take_the_reference(value: object) -> None:
+    assert not _orjson_is_canonical(value)
+    try:
+        expected = rfc8785.dumps(value)
+    except rfc8785.CanonicalizationError:
+        with pytest.raises(CanonicalizationError):
+            canonical_json(value)
+        return
+    assert canonical_json(value) == expected
+
+
+def test_supplementary_keys_sort_by_utf16_code_units() -> None:
+    # U+E000 sorts after U+1F600 in UTF-16 (0xD83D < 0xE000) but before it by code point.
+    assert canonical_json({"\ue000": 1, "\U0001f600": 2}).index("😀".encode()) < canonical_json(
+        {"\ue000": 1, "\U0001f600": 2}
+    ).index("\ue000".encode())
