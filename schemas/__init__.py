@@ -17,13 +17,42 @@ from schemas._decision import (
 )
 from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
 from schemas._exceptions import OpledgerError
+from schemas._messages import (
+    FeedEvent,
+    LeaseDecision,
+    LeaseReply,
+    LeaseRequest,
+    OperationStatus,
+    ProposalEnvelope,
+    ProposeReply,
+    StatusRequest,
+    WorkItem,
+)
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._publish import SCHEMA_DIR, WIRE_MODELS, render_schema, write_schemas
 from schemas._result import Provenance, ResultEnvelope
+from schemas._subjects import (
+    FEED_AUDITOR_CONSUMER,
+    FEED_STREAM,
+    RESULTS_CONSUMER,
+    RESULTS_STREAM,
+    TOKEN_PATTERN,
+    WORK_STREAM,
+    Subjects,
+    check_token,
+    inbox_prefix,
+    work_consumer,
+)
 
 __all__ = [
+    "FEED_AUDITOR_CONSUMER",
+    "FEED_STREAM",
+    "RESULTS_CONSUMER",
+    "RESULTS_STREAM",
     "SCHEMA_DIR",
+    "TOKEN_PATTERN",
     "WIRE_MODELS",
+    "WORK_STREAM",
     "ApprovalRequirement",
     "CanonicalizationError",
     "CheckStage",
@@ -32,17 +61,30 @@ __all__ = [
     "ErrorCategory",
     "ErrorEnvelope",
     "ErrorInfo",
+    "FeedEvent",
+    "LeaseDecision",
+    "LeaseReply",
+    "LeaseRequest",
+    "OperationStatus",
     "OpledgerError",
+    "ProposalEnvelope",
+    "ProposeReply",
     "Provenance",
     "RepairStatus",
     "ResultEnvelope",
     "RiskLevel",
     "RuntimeContext",
+    "StatusRequest",
+    "Subjects",
     "ToolProposal",
     "ValidationIssue",
+    "WorkItem",
     "canonical_json",
+    "check_token",
+    "inbox_prefix",
     "proposal_hash",
     "render_schema",
     "sha256_hex",
+    "work_consumer",
     "write_schemas",
 ]

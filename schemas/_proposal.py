@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field
 
 from schemas._base import WireModel
+from schemas._subjects import TOKEN_PATTERN
 
 __all__ = ["RuntimeContext", "ToolProposal"]
 
@@ -35,9 +36,9 @@ class ToolProposal(WireModel):
     created_at: datetime = Field(default_factory=_now)
     operation_id: str | None = Field(
         default=None,
-        min_length=1,
-        max_length=128,
-        description="Idempotency key chosen by the host; minted by opledger when absent.",
+        pattern=TOKEN_PATTERN,
+        description="Idempotency key chosen by the host ([A-Za-z0-9_-], at most 128);"
+        " minted by opledger when absent.",
     )
     repair_attempt: int = Field(
         default=0,

@@ -10,6 +10,16 @@ from pydantic import BaseModel
 
 from schemas._decision import Decision, ValidationIssue
 from schemas._errors import ErrorEnvelope
+from schemas._messages import (
+    FeedEvent,
+    LeaseReply,
+    LeaseRequest,
+    OperationStatus,
+    ProposalEnvelope,
+    ProposeReply,
+    StatusRequest,
+    WorkItem,
+)
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._result import ResultEnvelope
 
@@ -25,6 +35,14 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "validation-issue": ValidationIssue,
     "error-envelope": ErrorEnvelope,
     "result-envelope": ResultEnvelope,
+    "proposal-envelope": ProposalEnvelope,
+    "propose-reply": ProposeReply,
+    "work-item": WorkItem,
+    "lease-request": LeaseRequest,
+    "lease-reply": LeaseReply,
+    "status-request": StatusRequest,
+    "operation-status": OperationStatus,
+    "feed-event": FeedEvent,
 }
 """File stem → model, for every wire format opledger publishes."""
 

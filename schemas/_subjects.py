@@ -1,0 +1,94 @@
+"""The NATS topology every process agrees on: subjects, streams and consumer names.
+
+Part of the wire format: a host or executor in another language needs exactly
+these names. Identifiers used as subject tokens (hosts, tools, operation IDs)
+are restricted to `[A-Za-z0-9_-]`, so no token can contain `.`, `*` or `>`.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "FEED_AUDITOR_CONSUMER",
+    "FEED_STREAM",
+    "RESULTS_CONSUMER",
+    "RESULTS_STREAM",
+    "TOKEN_PATTERN",
+    "WORK_STREAM",
+    "Subjects",
+    "check_token",
+    "inbox_prefix",
+    "work_consumer",
+]
+
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+"""What a host name, tool name or operation ID must look like to be a subject token."""
+_TOKEN = re.compile(TOKEN_PATTERN)
+
+WORK_STREAM = "OPS_WORK"
+"""Work-queue stream over `ops.exec.*`: one durable pull consumer per tool."""
+RESULTS_STREAM = "OPS_RESULTS"
+"""Results published by executors, `ops.result.*`, consumed by the ledger service."""
+FEED_STREAM = "OPS_FEED"
+"""Every ledger event, `ops.feed.<tool>.<event>`; only the ledger service writes it."""
+RESULTS_CONSUMER = "ledger_results"
+"""The ledger service's durable consumer on the results stream."""
+FEED_AUDITOR_CONSUMER = "feed_auditor"
+"""A durable consumer on the feed for auditors, created by the ledger service."""
+
+
+def check_token(value: str) -> str:
+    """`value`, if it is a safe subject token; ValueError otherwise."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"not a valid subject token: {value!r}")
+    return value
+
+
+def work_consumer(tool: str) -> str:
+    """The durable pull consumer of one tool's work."""
+    return f"exec_{check_token(tool)}"
+
+
+def inbox_prefix(role: str, name: str) -> str:
+    """A private inbox prefix per identity: nobody subscribes to `_INBOX.>`."""
+    return f"_INBOX_{check_token(role)}_{check_token(name)}"
+
+
+class Subjects:
+    """Subject names, built from checked tokens."""
+
+    @staticmethod
+    def propose(host: str) -> str:
+        """Where host `host` sends proposals (request/reply)."""
+        return f"ops.propose.{check_token(host)}"
+
+    @staticmethod
+    def status(host: str) -> str:
+        """Where host `host` asks for an operation's status (request/reply)."""
+        return f"ops.status.{check_token(host)}"
+
+    @staticmethod
+    def outcome(host: str, operation_id: str) -> str:
+        """Where the final outcome of one of `host`'s operations is announced."""
+        return f"ops.outcome.{check_token(host)}.{check_token(operation_id)}"
+
+    @staticmethod
+    def work(tool: str) -> str:
+        """Where ready operations of `tool` are queued for its executors."""
+        return f"ops.exec.{check_token(tool)}"
+
+    @staticmethod
+    def lease(tool: str) -> str:
+        """Where executors of `tool` ask the ledger for a lease (request/reply)."""
+        return f"ops.lease.{check_token(tool)}"
+
+    @staticmethod
+    def result(tool: str) -> str:
+        """Where executors of `tool` publish result envelopes (JetStream)."""
+        return f"ops.result.{check_token(tool)}"
+
+    @staticmethod
+    def feed(tool: str, event_type: str) -> str:
+        """Where the ledger mirrors one event of an operation of `tool`."""
+        return f"ops.feed.{check_token(tool)}.{check_token(event_type)}"
