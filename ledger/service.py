@@ -84,7 +84,17 @@ class LeaseGrant:
     proposal_hash: str
 
 
-def fingerprint(proposal: ToolProposal, context: RuntimeContext) -> str:
+SubmitItem = tuple[ToolProposal, RuntimeContext] | tuple[ToolProposal, RuntimeContext, str]
+"""A proposal, its trusted context, and optionally the agent host that sent it."""
+
+
+def _unpack(item: SubmitItem) -> tuple[ToolProposal, RuntimeContext, str]:
+    if len(item) == 3:
+        return item
+    return item[0], item[1], ""
+
+
+def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "") -> str:
     """What makes two submissions "the same call" for idempotency.
 
     Internal only (never compared across languages), so orjson with sorted
@@ -96,6 +106,7 @@ def fingerprint(proposal: ToolProposal, context: RuntimeContext) -> str:
         "arguments": proposal.arguments,
         "actor": context.principal,
         "tenant": context.tenant,
+        "host": host,
     }
     try:
         encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
@@ -178,11 +189,17 @@ class Ledger:
 
     # --------------------------------------------------------------- submitting
 
-    def submit(self, proposal: ToolProposal, context: RuntimeContext) -> Submission:
-        """Record and check one proposal. Same ID and call again: the existing operation."""
-        return self.submit_many([(proposal, context)])[0]
+    def submit(
+        self, proposal: ToolProposal, context: RuntimeContext, host: str = ""
+    ) -> Submission:
+        """Record and check one proposal. Same ID and call again: the existing operation.
 
-    def submit_many(self, items: Sequence[tuple[ToolProposal, RuntimeContext]]) -> list[Submission]:
+        `host` names the agent host that sent it (from its authenticated
+        subject), so outcomes go back to that host only.
+        """
+        return self.submit_many([(proposal, context, host)])[0]
+
+    def submit_many(self, items: Sequence[SubmitItem]) -> list[Submission]:
         """Record and check many proposals with one atomic append (the fast path).
 
         Raises (and appends nothing) if any item conflicts with an existing operation.
@@ -193,15 +210,14 @@ class Ledger:
             if self._budget is not None:
                 self._budget.clear_pending()
 
-    def _submit_many(
-        self, items: Sequence[tuple[ToolProposal, RuntimeContext]]
-    ) -> list[Submission]:
+    def _submit_many(self, items: Sequence[SubmitItem]) -> list[Submission]:
         answers: list[Submission | None] = [None] * len(items)
         new: list[tuple[int, Operation, Decision]] = []
         fresh: dict[str, tuple[int, str]] = {}
-        for index, (proposal, context) in enumerate(items):
+        for index, item in enumerate(items):
+            proposal, context, host = _unpack(item)
             operation_id = proposal.operation_id or self._new_id()
-            print_ = fingerprint(proposal, context)
+            print_ = fingerprint(proposal, context, host)
             if operation_id in fresh:
                 # The same ID twice in one batch: a redelivery, or a conflict.
                 first, first_print = fresh[operation_id]
@@ -216,7 +232,9 @@ class Ledger:
                 if existing is not None:
                     answers[index] = existing
                     continue
-            operation, decision = self._new_operation(operation_id, proposal, context, print_)
+            operation, decision = self._new_operation(
+                operation_id, proposal, context, print_, host
+            )
             fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
             if self._budget is not None and decision.outcome is not DecisionOutcome.REJECTED:
@@ -230,17 +248,18 @@ class Ledger:
                 # Another writer created one of these IDs meanwhile: settle one by one.
                 if self._budget is not None:
                     self._budget.clear_pending()
-                return [self._submit_after_race(*item) for item in items]
+                return [self._submit_after_race(item) for item in items]
             for index, operation, decision in new:
                 answers[index] = Submission(operation.id, operation.state, decision, True)
         return [answer for answer in answers if answer is not None]
 
-    def _submit_after_race(self, proposal: ToolProposal, context: RuntimeContext) -> Submission:
+    def _submit_after_race(self, item: SubmitItem) -> Submission:
+        proposal, context, host = _unpack(item)
         if proposal.operation_id is not None:
-            existing = self._existing(proposal.operation_id, fingerprint(proposal, context))
+            existing = self._existing(proposal.operation_id, fingerprint(proposal, context, host))
             if existing is not None:
                 return existing
-        return self._submit_many([(proposal, context)])[0]
+        return self._submit_many([item])[0]
 
     def _existing(self, operation_id: str, print_: str) -> Submission | None:
         try:
@@ -254,7 +273,12 @@ class Ledger:
         return Submission(operation.id, operation.state, None, False)
 
     def _new_operation(
-        self, operation_id: str, proposal: ToolProposal, context: RuntimeContext, print_: str
+        self,
+        operation_id: str,
+        proposal: ToolProposal,
+        context: RuntimeContext,
+        print_: str,
+        host: str,
     ) -> tuple[Operation, Decision]:
         now = self._clock()
         decision = self.checker.check(proposal, context)
@@ -267,6 +291,7 @@ class Ledger:
             environment=context.environment,
             tool=proposal.tool_name,
             now=now,
+            host=host,
         )
         if decision.outcome is DecisionOutcome.REJECTED:
             operation.reject(

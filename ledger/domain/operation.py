@@ -116,6 +116,7 @@ class Operation(BaseAggregate[str]):
         tenant: str
         environment: str
         tool: str
+        host: str = ""
 
         def apply(self, aggregate: Any) -> None:
             aggregate.head_hash = GENESIS_HASH
@@ -129,6 +130,7 @@ class Operation(BaseAggregate[str]):
             aggregate.tenant = self.tenant
             aggregate.environment = self.environment
             aggregate.tool = self.tool
+            aggregate.host = self.host
             aggregate.tool_version = None
             aggregate.input_schema_hash = None
             aggregate.output_schema_hash = None
@@ -448,6 +450,7 @@ class Operation(BaseAggregate[str]):
         tenant: str
         environment: str
         tool: str
+        host: str
         tool_version: str | None
         input_schema_hash: str | None
         output_schema_hash: str | None
@@ -481,6 +484,7 @@ class Operation(BaseAggregate[str]):
         environment: str,
         tool: str,
         now: datetime,
+        host: str = "",
     ) -> Operation:
         """Record a new proposal under `operation_id`."""
         return cls._create(
@@ -494,6 +498,7 @@ class Operation(BaseAggregate[str]):
             tenant=tenant,
             environment=environment,
             tool=tool,
+            host=host,
         )
 
     def _guard(self, command: str) -> None:

@@ -39,6 +39,7 @@ VIEW_COLUMNS = (
     "approvals_required",
     "approvals_granted",
     "proposal_hash",
+    "host",
 )
 
 _SCHEMA = [
@@ -58,7 +59,8 @@ _SCHEMA = [
         approval_expires_at TEXT,
         approvals_required INTEGER NOT NULL DEFAULT 0,
         approvals_granted INTEGER NOT NULL DEFAULT 0,
-        proposal_hash TEXT
+        proposal_hash TEXT,
+        host TEXT NOT NULL DEFAULT ''
     )""",
     "CREATE INDEX IF NOT EXISTS opledger_operations_budget"
     " ON opledger_operations (tenant, actor, tool, created_at)",
@@ -97,6 +99,7 @@ class OperationRow:
     approvals_required: int
     approvals_granted: int
     proposal_hash: str | None
+    host: str
 
 
 # Event type → columns it sets. A callable computes values from the event state.
@@ -218,7 +221,8 @@ class OperationsProjector:
         if kind == "Proposed":
             self._db.execute(
                 "INSERT INTO opledger_operations (operation_id, state, tool, actor, tenant,"
-                " created_at, updated_at, last_version) VALUES (?, 'proposed', ?, ?, ?, ?, ?, ?)",
+                " created_at, updated_at, last_version, host)"
+                " VALUES (?, 'proposed', ?, ?, ?, ?, ?, ?, ?)",
                 (
                     operation_id,
                     state["tool"],
@@ -227,6 +231,7 @@ class OperationsProjector:
                     timestamp,
                     timestamp,
                     notification.originator_version,
+                    state.get("host", ""),
                 ),
             )
             return

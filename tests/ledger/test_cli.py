@@ -126,7 +126,7 @@ def test_ops_list_json_is_an_array_of_rows_and_filters_apply(ledger_ids, capsys)
         "tool_version": "2.1.0", "actor": "alice", "tenant": "acme", "risk": "low",
         "attempts": 0, "created_at": None, "updated_at": None, "last_version": 3,
         "approval_id": None, "approval_expires_at": None, "approvals_required": 0,
-        "approvals_granted": 0, "proposal_hash": rows[1]["proposal_hash"],
+        "approvals_granted": 0, "proposal_hash": rows[1]["proposal_hash"], "host": "",
     }
 
     assert [r["operation_id"] for r in _json(capsys, "ops", "list", "--state", "ready")] == [
