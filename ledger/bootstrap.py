@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from ledger.adapters.eventstore import EventStoreApp
@@ -30,11 +30,13 @@ def build_ledger(
     resolver: TargetResolver | None = None,
     rules: Mapping[str, Sequence[SemanticRule]] | None = None,
     clock: Callable[[], datetime] = _utcnow,
+    lease_grace: timedelta = timedelta(seconds=30),
 ) -> Ledger:
     """A ready ledger over `storage`, checking proposals against pinned contracts.
 
     Contracts come from `registry`, else from `contracts_dir`, else from the
     sample catalog. Without `pins`, the newest version of every tool is pinned.
+    A lease lasts the tool's timeout plus `lease_grace`.
     """
     if registry is None:
         if contracts_dir is None:
@@ -49,5 +51,11 @@ def build_ledger(
     budget = LedgerBudgetCounter(projector)
     checker = ProposalChecker(catalog, resolver=resolver, rules=rules, budget=budget, clock=clock)
     return Ledger(
-        events=events, db=db, checker=checker, projector=projector, budget=budget, clock=clock
+        events=events,
+        db=db,
+        checker=checker,
+        projector=projector,
+        budget=budget,
+        clock=clock,
+        lease_ttl=lease_grace,
     )

@@ -41,6 +41,9 @@ from policy import ProposalChecker, ToolContract
 from schemas import (
     Decision,
     DecisionOutcome,
+    LeaseDecision,
+    LeaseReply,
+    OperationStatus,
     ResultEnvelope,
     RuntimeContext,
     ToolProposal,
@@ -189,9 +192,7 @@ class Ledger:
 
     # --------------------------------------------------------------- submitting
 
-    def submit(
-        self, proposal: ToolProposal, context: RuntimeContext, host: str = ""
-    ) -> Submission:
+    def submit(self, proposal: ToolProposal, context: RuntimeContext, host: str = "") -> Submission:
         """Record and check one proposal. Same ID and call again: the existing operation.
 
         `host` names the agent host that sent it (from its authenticated
@@ -232,9 +233,7 @@ class Ledger:
                 if existing is not None:
                     answers[index] = existing
                     continue
-            operation, decision = self._new_operation(
-                operation_id, proposal, context, print_, host
-            )
+            operation, decision = self._new_operation(operation_id, proposal, context, print_, host)
             fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
             if self._budget is not None and decision.outcome is not DecisionOutcome.REJECTED:
@@ -475,6 +474,76 @@ class Ledger:
 
         return self._batch([(operation_id, claim) for operation_id in operation_ids])
 
+    def lease(self, operation_id: str, *, executor: str) -> LeaseReply:
+        """Answer an executor's lease request for one work item (see `lease_many`)."""
+        answer = self.lease_many([(operation_id, executor)])[0]
+        if isinstance(answer, LedgerError):
+            raise answer
+        return answer
+
+    def lease_many(self, requests: Sequence[tuple[str, str]]) -> list[LeaseReply | LedgerError]:
+        """Answer many (operation ID, executor) lease requests with one append.
+
+        READY: a new lease and fencing token, with the exact approved arguments.
+        A live lease held by someone: BUSY (try later). An expired lease or an
+        unknown outcome: RECONCILE (look the outcome up, never run again).
+        Anything final: DONE, which is how redelivered work items converge.
+        """
+        now = self._clock()
+        return self._batch(
+            [
+                (operation_id, partial(self._lease, executor=executor, now=now))
+                for operation_id, executor in requests
+            ]
+        )
+
+    def _lease(self, operation: Operation, *, executor: str, now: datetime) -> LeaseReply:
+        state = operation.state
+        contract = self.contract_of(operation)
+        timeout_ms = (
+            contract.timeout_ms if contract else int(self._lease_ttl.total_seconds() * 1000)
+        )
+        if state is OperationState.READY:
+            ttl = timedelta(milliseconds=timeout_ms) + self._lease_ttl
+            token = operation.claim_lease(executor=executor, ttl=ttl, now=now)
+            return _lease_reply(LeaseDecision.EXECUTE, operation, token, timeout_ms)
+        if state in (OperationState.EXECUTING, OperationState.CANCEL_REQUESTED):
+            lease = operation.lease or {}
+            if lease.get("expires_at", now) > now:
+                return LeaseReply(
+                    decision=LeaseDecision.BUSY,
+                    operation_id=operation.id,
+                    reason=f"leased to {lease.get('executor')} until {lease['expires_at']}",
+                )
+            operation.expire_lease(now)
+        if operation.state is OperationState.OUTCOME_UNKNOWN:
+            operation.start_reconciliation(by=executor, now=now)
+        if operation.state is OperationState.RECONCILING:
+            return _lease_reply(
+                LeaseDecision.RECONCILE, operation, operation.fencing_token, timeout_ms
+            )
+        return LeaseReply(
+            decision=LeaseDecision.DONE, operation_id=operation.id, reason=operation.state.value
+        )
+
+    def status(self, operation_id: str) -> OperationStatus:
+        """Where an operation stands, with its result envelope once it has one."""
+        operation = self.get(operation_id)
+        outcome = operation.outcome
+        result = None
+        if outcome and outcome.get("result_ref"):
+            result = self.results.get(outcome["result_ref"])
+        return OperationStatus(
+            operation_id=operation.id,
+            state=operation.state.value,
+            final=operation.state in FINAL_STATES,
+            tool=operation.tool,
+            tool_version=operation.tool_version,
+            attempts=operation.attempt,
+            outcome=outcome,
+            result=result,
+        )
+
     def record_result(self, envelope: ResultEnvelope) -> ResultDisposition:
         """Record an executor's result; retries a retryable failure when the policy allows."""
         kept: list[tuple[str, ResultEnvelope]] = []
@@ -489,10 +558,12 @@ class Ledger:
     ) -> list[ResultDisposition | LedgerError]:
         """Record many results with one append (for batching services)."""
         kept: list[tuple[str, ResultEnvelope]] = []
-        answers = self._batch([
-            (envelope.operation_id, partial(self._apply_result, envelope=envelope, kept=kept))
-            for envelope in envelopes
-        ])
+        answers = self._batch(
+            [
+                (envelope.operation_id, partial(self._apply_result, envelope=envelope, kept=kept))
+                for envelope in envelopes
+            ]
+        )
         # After the events: a kept envelope without its event would be harmless,
         # an event pointing at no envelope would not.
         self.results.put_many(kept)
@@ -656,6 +727,38 @@ def _replay(operation: Operation | None, events: Iterable[Any]) -> Operation | N
     for event in events:
         operation = event.mutate(operation)
     return operation
+
+
+FINAL_STATES = frozenset(
+    {
+        OperationState.SUCCEEDED,
+        OperationState.FAILED,
+        OperationState.REJECTED,
+        OperationState.APPROVAL_DENIED,
+        OperationState.APPROVAL_EXPIRED,
+        OperationState.CANCELLED,
+    }
+)
+"""States whose outcome a host can act on. A retryable failure is never seen
+here: its retry is scheduled in the same append, so the state is READY again."""
+
+
+def _lease_reply(
+    decision: LeaseDecision, operation: Operation, token: int, timeout_ms: int
+) -> LeaseReply:
+    lease = operation.lease or {}
+    return LeaseReply(
+        decision=decision,
+        operation_id=operation.id,
+        tool=operation.tool,
+        tool_version=operation.tool_version,
+        arguments=dict(operation.arguments or {}),
+        fencing_token=token,
+        attempt=operation.attempt,
+        lease_expires_at=lease.get("expires_at"),
+        timeout_ms=timeout_ms,
+        proposal_hash=operation.proposal_hash,
+    )
 
 
 def _grant(operation: Operation, token: int) -> LeaseGrant:

@@ -110,56 +110,123 @@ def verify_ledger(
         try:
             state = loads(stored)
         except orjson.JSONDecodeError:
-            findings.append(Finding(FindingKind.MODIFIED, position, operation, version,
-                                    "stored state is not JSON"))
+            findings.append(
+                Finding(
+                    FindingKind.MODIFIED, position, operation, version, "stored state is not JSON"
+                )
+            )
             continue
         if state.get("originator_id") != operation or state.get("originator_version") != version:
-            findings.append(Finding(FindingKind.MISLABELED, position, operation, version,
-                                    "row and stored event disagree on operation or version"))
+            findings.append(
+                Finding(
+                    FindingKind.MISLABELED,
+                    position,
+                    operation,
+                    version,
+                    "row and stored event disagree on operation or version",
+                )
+            )
         event_hash = hash_of(topic, stored)
         previous_version = last_version.get(operation, 0)
         if version != previous_version + 1:
-            findings.append(Finding(FindingKind.VERSION_GAP, position, operation, version,
-                                    f"expected version {previous_version + 1} after"
-                                    f" {previous_version}"))
+            findings.append(
+                Finding(
+                    FindingKind.VERSION_GAP,
+                    position,
+                    operation,
+                    version,
+                    f"expected version {previous_version + 1} after {previous_version}",
+                )
+            )
         elif state.get("prev_hash") != last_hash.get(operation, GENESIS_HASH):
-            findings.append(Finding(FindingKind.CHAIN_BROKEN, position, operation, version,
-                                    "prev_hash is not the hash of the event before it"))
+            findings.append(
+                Finding(
+                    FindingKind.CHAIN_BROKEN,
+                    position,
+                    operation,
+                    version,
+                    "prev_hash is not the hash of the event before it",
+                )
+            )
         last_hash[operation] = event_hash
         last_version[operation] = version
 
         seal_row = sealed.get(position)
         if seal_row is None:
             if position <= 0:
-                findings.append(Finding(FindingKind.INSERTED, position, operation, version,
-                                        "a stored event is outside the notification order"))
+                findings.append(
+                    Finding(
+                        FindingKind.INSERTED,
+                        position,
+                        operation,
+                        version,
+                        "a stored event is outside the notification order",
+                    )
+                )
             elif position <= last_sealed:
-                findings.append(Finding(FindingKind.INSERTED, position, operation, version,
-                                        "event is not in the sealed digest chain"))
+                findings.append(
+                    Finding(
+                        FindingKind.INSERTED,
+                        position,
+                        operation,
+                        version,
+                        "event is not in the sealed digest chain",
+                    )
+                )
             else:
                 report.unsealed_events += 1
         elif seal_row[3] != event_hash:
             elsewhere = sealed_position_of_hash.get(event_hash)
             if elsewhere is not None and elsewhere != position:
-                findings.append(Finding(FindingKind.REORDERED, position, operation, version,
-                                        f"this event was sealed at #{elsewhere}"))
+                findings.append(
+                    Finding(
+                        FindingKind.REORDERED,
+                        position,
+                        operation,
+                        version,
+                        f"this event was sealed at #{elsewhere}",
+                    )
+                )
             else:
-                findings.append(Finding(FindingKind.MODIFIED, position, operation, version,
-                                        "event hash differs from the sealed hash"))
+                findings.append(
+                    Finding(
+                        FindingKind.MODIFIED,
+                        position,
+                        operation,
+                        version,
+                        "event hash differs from the sealed hash",
+                    )
+                )
     report.events_checked = len(seen_ids)
-    report.sealed_events = report.events_checked - report.unsealed_events - sum(
-        1 for f in findings if f.kind is FindingKind.INSERTED
+    report.sealed_events = (
+        report.events_checked
+        - report.unsealed_events
+        - sum(1 for f in findings if f.kind is FindingKind.INSERTED)
     )
 
     for notification_id, operation, version, sealed_hash, running in seal:
         if notification_id not in seen_ids:
-            findings.append(Finding(FindingKind.DELETED, notification_id, operation, version,
-                                    "a sealed event is missing"))
+            findings.append(
+                Finding(
+                    FindingKind.DELETED,
+                    notification_id,
+                    operation,
+                    version,
+                    "a sealed event is missing",
+                )
+            )
         # The seal must be a chain of itself, or someone rewrote it.
         digest = chain_digest(digest, sealed_hash)
         if running != digest:
-            findings.append(Finding(FindingKind.MODIFIED, notification_id, operation, version,
-                                    "the sealed running digest does not recompute"))
+            findings.append(
+                Finding(
+                    FindingKind.MODIFIED,
+                    notification_id,
+                    operation,
+                    version,
+                    "the sealed running digest does not recompute",
+                )
+            )
             digest = running
     report.operations_checked = len(last_version)
     report.head_digest = seal[-1][4] if seal else GENESIS_HASH

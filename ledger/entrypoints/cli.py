@@ -203,11 +203,14 @@ def _common_options() -> argparse.ArgumentParser:
     # SUPPRESS: an option given before the subcommand is not reset by the subcommand's default.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--home", type=Path, default=argparse.SUPPRESS,
+        "--home",
+        type=Path,
+        default=argparse.SUPPRESS,
         help="state directory (default: $OPLEDGER_HOME or .opledger)",
     )
     common.add_argument(
-        "--database", default=argparse.SUPPRESS,
+        "--database",
+        default=argparse.SUPPRESS,
         help="SQLite file or postgresql:// DSN (default: $OPLEDGER_DATABASE or <home>/ledger.db)",
     )
     common.add_argument(
@@ -245,8 +248,9 @@ def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
 
 def _add_audit(groups: Any, common: argparse.ArgumentParser) -> None:
     actions = _group(groups, "audit", "verify and export the ledger", common)
-    verify = _leaf(actions, "verify", "check hash chains and the sealed digest", common,
-                   audit_verify)
+    verify = _leaf(
+        actions, "verify", "check hash chains and the sealed digest", common, audit_verify
+    )
     verify.add_argument("--expect-head", metavar="DIGEST", help="the head digest recorded earlier")
     export = _leaf(actions, "export", "write every event as JSON Lines", common, audit_export)
     export.add_argument("--output", "-o", type=Path, metavar="FILE", help="default: stdout")
@@ -257,16 +261,23 @@ def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
     _leaf(actions, "list", "operations awaiting approval", common, approvals_list)
     show = _leaf(actions, "show", "what approving would allow", common, approvals_show)
     show.add_argument("operation_id", metavar="OP_ID")
-    approve = _leaf(actions, "approve", "approve exactly the call you reviewed", common,
-                    approvals_approve)
+    approve = _leaf(
+        actions, "approve", "approve exactly the call you reviewed", common, approvals_approve
+    )
     approve.add_argument("operation_id", metavar="OP_ID")
     approve.add_argument("--as", dest="user", required=True, metavar="USER", help="who approves")
     approve.add_argument(
-        "--role", dest="roles", action="append", required=True, metavar="ROLE",
+        "--role",
+        dest="roles",
+        action="append",
+        required=True,
+        metavar="ROLE",
         help="an approver role you hold (repeatable)",
     )
     approve.add_argument(
-        "--proposal-hash", required=True, metavar="HASH",
+        "--proposal-hash",
+        required=True,
+        metavar="HASH",
         help="the proposal hash shown by `approvals show`: binds the approval to those arguments",
     )
     deny = _leaf(actions, "deny", "deny the call; it will never run", common, approvals_deny)
@@ -306,7 +317,8 @@ def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
             operation_id=args.operation_id,
         )
     events = [
-        event for event in ledger.history(args.operation_id)
+        event
+        for event in ledger.history(args.operation_id)
         if args.as_of is None or event.originator_version <= args.as_of
     ]
     data = operation_view(operation) | {
@@ -319,9 +331,7 @@ def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
 def audit_verify(ledger: Ledger, args: argparse.Namespace) -> Output:
     """`audit verify`: exit 0 when every check passes, 1 with findings."""
     report = ledger.verify(expected_head=args.expect_head)
-    return Output(
-        report_view(report), render_report, EXIT_OK if report.ok else EXIT_FINDINGS
-    )
+    return Output(report_view(report), render_report, EXIT_OK if report.ok else EXIT_FINDINGS)
 
 
 def audit_export(ledger: Ledger, args: argparse.Namespace) -> Output:
@@ -467,8 +477,8 @@ _SUMMARIES: dict[str, Callable[[Any], str]] = {
     "ConflictingOutcomeRecorded": lambda e: (
         f"conflicting {e.outcome} from {e.executor} ignored; the outcome stands"
     ),
-    "CancelRequested": lambda e: f"cancel requested by {e.by}" + (
-        f": {e.reason}" if e.reason else ""
+    "CancelRequested": lambda e: (
+        f"cancel requested by {e.by}" + (f": {e.reason}" if e.reason else "")
     ),
     "Cancelled": lambda e: f"cancelled by {e.by}",
     "CancelTooLate": lambda e: f"cancel by {e.by} came too late: already {e.outcome}",
@@ -502,8 +512,18 @@ def finding_view(finding: Finding) -> dict[str, Any]:
 
 def pending_view(row: dict[str, Any]) -> dict[str, Any]:
     """One operation awaiting approval, from its view row."""
-    names = ("operation_id", "approval_id", "tool", "tool_version", "actor", "tenant", "risk",
-             "approvals_granted", "approvals_required", "approval_expires_at")
+    names = (
+        "operation_id",
+        "approval_id",
+        "tool",
+        "tool_version",
+        "actor",
+        "tenant",
+        "risk",
+        "approvals_granted",
+        "approvals_required",
+        "approval_expires_at",
+    )
     return {name: row[name] for name in names}
 
 
@@ -562,11 +582,13 @@ def render_json(data: Any) -> str:
 def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """An aligned plain-text table; None shows as `-`."""
     cells = [[_cell(value) for value in row] for row in rows]
-    widths = [max([len(header), *(len(row[i]) for row in cells)]) for i, header in
-              enumerate(headers)]
+    widths = [
+        max([len(header), *(len(row[i]) for row in cells)]) for i, header in enumerate(headers)
+    ]
     lines = [list(headers), *cells]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-                     for line in lines)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
 
 
 def _cell(value: Any) -> str:
@@ -594,13 +616,23 @@ def render_operations(rows: list[dict[str, Any]]) -> str:
     """`ops list` for people."""
     if not rows:
         return "no operations match"
-    headers = ("OPERATION", "STATE", "TOOL", "ACTOR", "TENANT", "RISK", "ATTEMPTS",
-               "UPDATED (UTC)")
-    return render_table(headers, (
-        (r["operation_id"], r["state"], f"{r['tool']}@{r['tool_version'] or '?'}", r["actor"],
-         r["tenant"], r["risk"], r["attempts"], _when(r["updated_at"]))
-        for r in rows
-    ))
+    headers = ("OPERATION", "STATE", "TOOL", "ACTOR", "TENANT", "RISK", "ATTEMPTS", "UPDATED (UTC)")
+    return render_table(
+        headers,
+        (
+            (
+                r["operation_id"],
+                r["state"],
+                f"{r['tool']}@{r['tool_version'] or '?'}",
+                r["actor"],
+                r["tenant"],
+                r["risk"],
+                r["attempts"],
+                _when(r["updated_at"]),
+            )
+            for r in rows
+        ),
+    )
 
 
 def render_operation(data: dict[str, Any]) -> str:
@@ -649,9 +681,12 @@ def _approval_fields(
     reversible = "reversible" if preview.get("reversible") else "not reversible"
     roles = ", ".join(approval["approver_roles"])
     return [
-        ("approval", f"{approval['approval_id']}: {len(approvers)} of "
-                     f"{approval['required_approvals']} from {roles}, "
-                     f"expires {_when(approval['expires_at'])}"),
+        (
+            "approval",
+            f"{approval['approval_id']}: {len(approvers)} of "
+            f"{approval['required_approvals']} from {roles}, "
+            f"expires {_when(approval['expires_at'])}",
+        ),
         ("approved by", ", ".join(approvers) or "-"),
         ("effect", f"{preview.get('effect')} ({reversible})"),
         ("risk reasons", "; ".join(preview.get("risk_reasons") or []) or "-"),
@@ -659,8 +694,10 @@ def _approval_fields(
 
 
 def _lease_text(lease: dict[str, Any]) -> str:
-    return (f"attempt {lease['attempt']} by {lease['executor']}, token {lease['fencing_token']},"
-            f" until {_when(lease['expires_at'])}")
+    return (
+        f"attempt {lease['attempt']} by {lease['executor']}, token {lease['fencing_token']},"
+        f" until {_when(lease['expires_at'])}"
+    )
 
 
 def _render_fields(fields: Sequence[tuple[str, Any]], width: int = 16) -> str:
@@ -683,7 +720,8 @@ def render_report(data: dict[str, Any]) -> str:
     findings = data["findings"]
     verdict = (
         "OK: every event matches its chain and the seal"
-        if data["ok"] else f"FAILED: {len(findings)} finding(s)"
+        if data["ok"]
+        else f"FAILED: {len(findings)} finding(s)"
     )
     lines = [_render_fields(fields, width=20), verdict]
     lines.extend(f"  {finding['description']}" for finding in findings)
@@ -700,14 +738,32 @@ def render_pending(rows: list[dict[str, Any]]) -> str:
     """`approvals list` for people."""
     if not rows:
         return "no operations await approval"
-    headers = ("OPERATION", "APPROVAL", "TOOL", "ACTOR", "TENANT", "RISK", "APPROVALS",
-               "EXPIRES (UTC)")
-    return render_table(headers, (
-        (r["operation_id"], r["approval_id"], f"{r['tool']}@{r['tool_version']}", r["actor"],
-         r["tenant"], r["risk"], f"{r['approvals_granted']}/{r['approvals_required']}",
-         _when(r["approval_expires_at"]))
-        for r in rows
-    ))
+    headers = (
+        "OPERATION",
+        "APPROVAL",
+        "TOOL",
+        "ACTOR",
+        "TENANT",
+        "RISK",
+        "APPROVALS",
+        "EXPIRES (UTC)",
+    )
+    return render_table(
+        headers,
+        (
+            (
+                r["operation_id"],
+                r["approval_id"],
+                f"{r['tool']}@{r['tool_version']}",
+                r["actor"],
+                r["tenant"],
+                r["risk"],
+                f"{r['approvals_granted']}/{r['approvals_required']}",
+                _when(r["approval_expires_at"]),
+            )
+            for r in rows
+        ),
+    )
 
 
 _EFFECTS = {
@@ -730,8 +786,10 @@ def render_approval(data: dict[str, Any]) -> str:
         ("Effect", _EFFECTS.get(data["effect"] or "", data["effect"])),
         ("Risk", str(data["risk"] or "-").upper()),
         ("Why this risk", "; ".join(data["risk_reasons"]) or "the tool's usual risk"),
-        ("Requested by", f"{data['requested_by']} (tenant {data['tenant']}, "
-                         f"{data['environment']})"),
+        (
+            "Requested by",
+            f"{data['requested_by']} (tenant {data['tenant']}, {data['environment']})",
+        ),
         ("Why approval", data["reason"]),
         ("Who approves", who),
         ("Approved so far", ", ".join(data["approved_by"]) or "nobody"),
@@ -759,8 +817,7 @@ def _argument_lines(arguments: Any, defaults: list[str]) -> list[str]:
     if not isinstance(arguments, dict) or not arguments:
         return [f"  {_compact(arguments)}"]
     width = max(len(name) for name in arguments) + 2
-    lines = [f"  {name + ':':<{width}}{_argument_text(value)}" for name, value in
-             arguments.items()]
+    lines = [f"  {name + ':':<{width}}{_argument_text(value)}" for name, value in arguments.items()]
     if defaults:
         lines.append(f"  (filled in by default: {', '.join(d.lstrip('/') for d in defaults)})")
     return lines
@@ -781,7 +838,7 @@ def _decision_hints(data: dict[str, Any]) -> list[str]:
         f"  opledger approvals approve {operation} --as YOUR_NAME --role {role} "
         f"--proposal-hash {data['proposal_hash']}",
         "To deny it:",
-        f"  opledger approvals deny {operation} --as YOUR_NAME --reason \"...\"",
+        f'  opledger approvals deny {operation} --as YOUR_NAME --reason "..."',
     ]
 
 
@@ -792,7 +849,8 @@ def render_decision(data: dict[str, Any]) -> str:
         return f"denied {operation} as {data['by']}: it will not run (state {state})"
     granted, required = len(data["approved_by"]), data["required_approvals"]
     following = (
-        "it is ready to run" if state == OperationState.READY.value
+        "it is ready to run"
+        if state == OperationState.READY.value
         else f"{required - granted} more approval(s) needed"
     )
     return (

@@ -304,7 +304,7 @@ class OperationsProjector:
             self._db.query(
                 "SELECT COUNT(*) FROM opledger_operations"
                 " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?"
-            " AND state <> 'rejected'",
+                " AND state <> 'rejected'",
                 (tenant, actor, tool, _iso(since)),
             )[0][0]
         )

@@ -314,3 +314,44 @@ def test_verify_with_an_anchored_head(ledger: Ledger) -> None:
     assert ledger.verify(expected_head=head).ok
     report = ledger.verify(expected_head="f" * 64)
     assert [f.kind for f in report.findings] == [FindingKind.HEAD_MISMATCH]
+
+
+# ------------------------------------------------------------------ lease protocol
+
+
+def test_lease_protocol_converges_after_a_lost_executor(storage: StorageConfig) -> None:
+    from schemas import LeaseDecision
+
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0], lease_grace=timedelta(seconds=5))
+    ledger.submit(search("op-1"), ALICE)
+    first = ledger.lease("op-1", executor="exec-1")
+    assert first.decision is LeaseDecision.EXECUTE
+    assert first.arguments == {"query": "refund policy", "source_types": ["policy", "manual"],
+                               "top_k": 8}
+    assert (first.fencing_token, first.attempt) == (1, 1)
+    # The executor dies; the redelivered item reaches another executor at once: busy.
+    assert ledger.lease("op-1", executor="exec-2").decision is LeaseDecision.BUSY
+    # Once the lease has run out, the next one must reconcile, never run again.
+    now[0] += timedelta(seconds=60)
+    second = ledger.lease("op-1", executor="exec-2")
+    assert second.decision is LeaseDecision.RECONCILE
+    assert second.fencing_token == 1
+    assert ledger.get("op-1").state is S.RECONCILING
+    reconciled = result("op-1", 1, data={"items": []}, executor="exec-2")
+    assert ledger.record_result(reconciled) is ResultDisposition.ACCEPTED
+    assert ledger.get("op-1").state is S.SUCCEEDED
+    assert ledger.lease("op-1", executor="exec-3").decision is LeaseDecision.DONE
+    status = ledger.status("op-1")
+    assert (status.state, status.final) == ("succeeded", True)
+    assert status.result is not None
+    assert status.result.provenance.executor == "exec-2"
+    assert event_types(ledger, "op-1")[3:] == [
+        "LeaseClaimed", "LeaseExpired", "ReconciliationStarted", "Reconciled",
+    ]
+
+
+def test_status_of_a_pending_approval_is_not_final(ledger: Ledger) -> None:
+    ledger.submit(email("mail-1"), ALICE)
+    status = ledger.status("mail-1")
+    assert (status.state, status.final, status.result) == ("awaiting_approval", False, None)

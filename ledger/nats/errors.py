@@ -1,0 +1,52 @@
+"""Errors of the NATS layer: a missing or failing server, bad credentials, a topology clash.
+
+All are `OpledgerError`s, so entry points report them as an `ErrorEnvelope`
+with a stable code instead of a stack trace.
+"""
+
+from __future__ import annotations
+
+from schemas import ErrorCategory, OpledgerError
+
+__all__ = [
+    "CredentialsError",
+    "NatsServerNotFound",
+    "NatsServerStartError",
+    "NatsSetupError",
+    "TopologyError",
+]
+
+
+class NatsSetupError(OpledgerError):
+    """Base of the errors raised while setting up NATS (server, credentials, topology)."""
+
+    category = ErrorCategory.INTERNAL
+    code = "NATS_SETUP_FAILED"
+
+
+class NatsServerNotFound(NatsSetupError):
+    """No `nats-server` binary next to the interpreter, on PATH, or where we were told."""
+
+    code = "NATS_SERVER_NOT_FOUND"
+
+
+class NatsServerStartError(NatsSetupError):
+    """The server exited or did not become ready in time; the message carries its log tail."""
+
+    code = "NATS_SERVER_START_FAILED"
+    # A port collision or a slow disk can clear up on a second attempt.
+    retryable = True
+
+
+class CredentialsError(NatsSetupError):
+    """A seed file or credentials manifest is missing, malformed or not private."""
+
+    category = ErrorCategory.INVALID_INPUT
+    code = "NATS_CREDENTIALS_INVALID"
+
+
+class TopologyError(NatsSetupError):
+    """A stream or consumer exists with a configuration that cannot be updated to ours."""
+
+    category = ErrorCategory.CONFLICT
+    code = "NATS_TOPOLOGY_CONFLICT"
