@@ -474,16 +474,20 @@ class Ledger:
 
         return self._batch([(operation_id, claim) for operation_id in operation_ids])
 
-    def lease(self, operation_id: str, *, executor: str) -> LeaseReply:
+    def lease(self, operation_id: str, *, executor: str, tool: str | None = None) -> LeaseReply:
         """Answer an executor's lease request for one work item (see `lease_many`)."""
-        answer = self.lease_many([(operation_id, executor)])[0]
+        answer = self.lease_many([(operation_id, executor, tool)])[0]
         if isinstance(answer, LedgerError):
             raise answer
         return answer
 
-    def lease_many(self, requests: Sequence[tuple[str, str]]) -> list[LeaseReply | LedgerError]:
-        """Answer many (operation ID, executor) lease requests with one append.
+    def lease_many(
+        self, requests: Sequence[tuple[str, str, str | None]]
+    ) -> list[LeaseReply | LedgerError]:
+        """Answer many (operation ID, executor, tool) lease requests with one append.
 
+        `tool` is the tool the executor is authenticated for (from its subject);
+        an operation of another tool is REFUSED and nothing is appended.
         READY: a new lease and fencing token, with the exact approved arguments.
         A live lease held by someone: BUSY (try later). An expired lease or an
         unknown outcome: RECONCILE (look the outcome up, never run again).
@@ -492,12 +496,20 @@ class Ledger:
         now = self._clock()
         return self._batch(
             [
-                (operation_id, partial(self._lease, executor=executor, now=now))
-                for operation_id, executor in requests
+                (operation_id, partial(self._lease, executor=executor, tool=tool, now=now))
+                for operation_id, executor, tool in requests
             ]
         )
 
-    def _lease(self, operation: Operation, *, executor: str, now: datetime) -> LeaseReply:
+    def _lease(
+        self, operation: Operation, *, executor: str, tool: str | None, now: datetime
+    ) -> LeaseReply:
+        if tool is not None and operation.tool != tool:
+            return LeaseReply(
+                decision=LeaseDecision.REFUSED,
+                operation_id=operation.id,
+                reason="the operation belongs to another tool",
+            )
         state = operation.state
         contract = self.contract_of(operation)
         timeout_ms = (
@@ -689,6 +701,15 @@ class Ledger:
         """Check every event's hash chain and the sealed global digest."""
         return verify_ledger(
             self.stored_rows(), self.projector.digest_rows(), expected_head=expected_head
+        )
+
+    def stored_rows_after(self, position: int, limit: int) -> list[StoredRow]:
+        """Up to `limit` stored rows after `position`, in position order."""
+        column = "notification_id" if self.db.is_postgres else "rowid"
+        return self.db.query(  # both drivers return (int, str, int, str, bytes)
+            f"SELECT {column}, originator_id, originator_version, topic, state"
+            f" FROM {self.events_table} WHERE {column} > ? ORDER BY {column} LIMIT ?",
+            (position, limit),
         )
 
     def stored_rows(self, page: int = 10_000) -> Iterator[StoredRow]:

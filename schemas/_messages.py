@@ -75,6 +75,8 @@ class LeaseDecision(StrEnum):
     """The operation has its outcome (or will never run): acknowledge the item."""
     BUSY = "busy"
     """Another executor holds a live lease: try again later."""
+    REFUSED = "refused"
+    """The request is not this executor's to make (another tool's operation)."""
 
 
 class LeaseReply(WireModel):

@@ -84,6 +84,12 @@ class SqlDatabase:
         with self._lock:
             self._conn.execute(self._sql(statement), params)
 
+    def execute_count(self, statement: str, params: Sequence[Any] = ()) -> int:
+        """Run one statement; the number of rows it changed."""
+        with self._lock:
+            cursor = self._conn.execute(self._sql(statement), params)
+            return int(cursor.rowcount)
+
     def executemany(self, statement: str, rows: Sequence[Sequence[Any]]) -> None:
         """Run one statement for many parameter rows."""
         if not rows:

@@ -18,7 +18,7 @@ from ledger.domain.hashing import stored_event_hash
 from policy import ToolContract
 from schemas import canonical_json, sha256_hex
 
-__all__ = ["export_jsonl", "exported_events", "redact_arguments"]
+__all__ = ["export_jsonl", "exported_events", "feed_record", "redact_arguments"]
 
 
 def _hashed(value: Any) -> dict[str, str]:
@@ -61,32 +61,40 @@ def _redact_event(state: dict[str, Any], sensitive: tuple[str, ...]) -> dict[str
     return state
 
 
+def feed_record(row: StoredRow, sensitive: tuple[str, ...]) -> dict[str, Any]:
+    """One stored event as an export or feed record, sensitive values hashed.
+
+    The hash is computed from the stored event, before redaction, so a record
+    can be checked against a later verification.
+    """
+    position, operation_id, version, topic, stored = row
+    state = orjson.loads(stored)
+    return {
+        "position": position,
+        "operation_id": operation_id,
+        "version": version,
+        "type": topic.rsplit(".", 1)[-1],
+        "timestamp": state.get("timestamp"),
+        "event_hash": stored_event_hash(topic, stored),
+        "prev_hash": state.get("prev_hash"),
+        "event": _redact_event(state, sensitive),
+    }
+
+
 def exported_events(
     rows: Iterable[StoredRow], contracts: Mapping[str, ToolContract]
 ) -> Iterator[dict[str, Any]]:
     """Every event in global order, as an export record, sensitive values hashed.
 
-    `contracts` maps tool name → contract (for the sensitive pointers). The
-    hash of each record is computed from the stored event, before redaction,
-    so an export can be checked against a later verification.
+    `contracts` maps tool name → contract (for the sensitive pointers).
     """
     tools: dict[str, str] = {}
-    for position, operation_id, version, topic, stored in rows:
-        state = orjson.loads(stored)
-        if "tool" in state and version == 1:
-            tools[operation_id] = state["tool"]
+    for row in rows:
+        operation_id, version, stored = row[1], row[2], row[4]
+        if version == 1:
+            tools[operation_id] = str(orjson.loads(stored).get("tool", ""))
         contract = contracts.get(tools.get(operation_id, ""))
-        sensitive = contract.sensitive_arguments if contract else ()
-        yield {
-            "notification_id": position,
-            "operation_id": operation_id,
-            "version": version,
-            "type": topic.rsplit(".", 1)[-1],
-            "timestamp": state.get("timestamp"),
-            "event_hash": stored_event_hash(topic, stored),
-            "prev_hash": state.get("prev_hash"),
-            "event": _redact_event(state, sensitive),
-        }
+        yield feed_record(row, contract.sensitive_arguments if contract else ())
 
 
 def export_jsonl(

@@ -1,0 +1,62 @@
+"""opledger on NATS: a supervised nats-server, least-privilege identities, the JetStream topology.
+
+Public surface:
+
+- `NatsServer`, `ClusterOptions`, `find_nats_server`, `free_port`: run a private server.
+- `generate_credentials`, `load_credentials`, `CredentialSet`, `Identity`, `Role`,
+  `permissions_for`, `connect_options`, `reply_allowed`, `write_server_config`:
+  one NKey per identity, and exactly the subjects each role may use.
+- `declare_topology`: the streams and durable pull consumers (ledger identity only).
+- The errors, all `schemas.OpledgerError`s.
+"""
+
+from ledger.nats._conf import ClusterOptions
+from ledger.nats.errors import (
+    CredentialsError,
+    NatsServerNotFound,
+    NatsServerStartError,
+    NatsSetupError,
+    TopologyError,
+)
+from ledger.nats.security import (
+    CredentialSet,
+    Identity,
+    Permissions,
+    ResponsePermission,
+    Role,
+    authorization_config,
+    connect_options,
+    generate_credentials,
+    load_credentials,
+    permissions_for,
+    reply_allowed,
+    write_server_config,
+)
+from ledger.nats.supervisor import NatsServer, find_nats_server, free_port
+from ledger.nats.topology import DeclaredTopology, declare_topology
+
+__all__ = [
+    "ClusterOptions",
+    "CredentialSet",
+    "CredentialsError",
+    "DeclaredTopology",
+    "Identity",
+    "NatsServer",
+    "NatsServerNotFound",
+    "NatsServerStartError",
+    "NatsSetupError",
+    "Permissions",
+    "ResponsePermission",
+    "Role",
+    "TopologyError",
+    "authorization_config",
+    "connect_options",
+    "declare_topology",
+    "find_nats_server",
+    "free_port",
+    "generate_credentials",
+    "load_credentials",
+    "permissions_for",
+    "reply_allowed",
+    "write_server_config",
+]

@@ -1,0 +1,452 @@
+"""Least-privilege NATS identities: one NKey per role instance, and their permissions.
+
+Four roles talk over NATS, and each gets exactly the subjects its job needs
+(allow lists only: the server denies everything a user's list does not name):
+
+- the ledger service (`ledger`): owns streams and consumers, answers requests;
+- an agent host (`host`): proposes and asks for status under its own name only;
+- the executors of one tool (`exec`): fetch and acknowledge that tool's work,
+  ask for leases and publish results for that tool only;
+- an auditor (`auditor`): reads the feed through its consumer, publishes nothing.
+
+Nobody may subscribe to `_INBOX.>` (it would receive everyone's replies): every
+identity has a private inbox prefix (`schemas.inbox_prefix`) that its client
+must use, which `connect_options` sets. Nobody but the ledger may create
+consumers: a consumer's creator picks its filter, and could read any subject
+through it (nats-server issue #3295).
+
+The server stores only the public keys (`U...`); each process keeps its seed
+file (mode 0600) and signs the server's nonce with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
+
+from ledger.nats._conf import ClusterOptions, ServerSettings, quote, render_server_config
+from ledger.nats.errors import CredentialsError
+from schemas import (
+    FEED_AUDITOR_CONSUMER,
+    FEED_STREAM,
+    WORK_STREAM,
+    Subjects,
+    check_token,
+    inbox_prefix,
+    work_consumer,
+)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "CredentialSet",
+    "Identity",
+    "Permissions",
+    "ResponsePermission",
+    "Role",
+    "authorization_config",
+    "connect_options",
+    "generate_credentials",
+    "load_credentials",
+    "new_user_seed",
+    "permissions_for",
+    "reply_allowed",
+    "write_server_config",
+]
+
+MANIFEST_NAME = "identities.json"
+"""The file, next to the seeds, listing every identity (no secrets in it)."""
+
+
+class Role(StrEnum):
+    """What a NATS identity is for. The value is the role token of its inbox prefix."""
+
+    LEDGER = "ledger"
+    HOST = "host"
+    EXECUTOR = "exec"
+    AUDITOR = "auditor"
+
+
+@dataclass(frozen=True)
+class ResponsePermission:
+    """`allow_responses`: publish to the reply subject of a request this user received.
+
+    `max` replies per request, within `expires`. The server's own default for
+    `allow_responses: true` is one reply within two minutes; we write it out
+    explicitly so the config says what it grants.
+    """
+
+    max: int = 1
+    expires: str = "2m"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """The subjects one user may publish and subscribe to; everything else is denied."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: ResponsePermission | None = None
+
+
+def _ack_subjects(stream: str, consumer: str) -> tuple[str, str]:
+    """Both forms of a consumer's ack subjects.
+
+    The classic form is `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`;
+    the newer one puts a domain and an account hash first
+    (`$JS.ACK.<domain>.<acchash>.<stream>.<consumer>. ...`). A server picks one; we grant
+    both so an upgrade of the server does not silently stop acknowledgements.
+    """
+    return f"$JS.ACK.{stream}.{consumer}.>", f"$JS.ACK.*.*.{stream}.{consumer}.>"
+
+
+def _next_subject(stream: str, consumer: str) -> str:
+    """The subject a pull client publishes to, to fetch from one existing consumer."""
+    return f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+
+
+def permissions_for(role: Role, name: str) -> Permissions:
+    """Exactly what identity `name` of `role` may do (see the module docstring)."""
+    name = check_token(name)
+    inbox = f"{inbox_prefix(role.value, name)}.>"
+    if role is Role.LEDGER:
+        return Permissions(
+            publish=(
+                # The ledger is the JetStream administrator: it creates and updates
+                # the streams and consumers, fetches its results, reads stream state.
+                "$JS.API.>",
+                "ops.exec.>",
+                "ops.feed.>",
+                "ops.outcome.>",
+                # Acks for its results consumer. It already holds `$JS.API.>`, so a
+                # narrower ack grant would protect nothing.
+                "$JS.ACK.>",
+            ),
+            subscribe=("ops.propose.*", "ops.status.*", "ops.lease.*", inbox),
+            # Replies to proposals, status and lease requests go to the requester's
+            # private inbox, which the ledger may otherwise not publish to.
+            allow_responses=ResponsePermission(),
+        )
+    if role is Role.HOST:
+        return Permissions(
+            publish=(Subjects.propose(name), Subjects.status(name)),
+            subscribe=(f"ops.outcome.{name}.>", inbox),
+        )
+    if role is Role.EXECUTOR:
+        consumer = work_consumer(name)
+        return Permissions(
+            publish=(
+                # Fetch from the tool's existing consumer only; never create one
+                # (no `$JS.API.CONSUMER.CREATE`), never look at streams.
+                _next_subject(WORK_STREAM, consumer),
+                *_ack_subjects(WORK_STREAM, consumer),
+                # A JetStream publish is an ordinary publish with a reply inbox: the
+                # PubAck arrives on the executor's own inbox, nothing more is needed.
+                Subjects.result(name),
+                Subjects.lease(name),
+            ),
+            subscribe=(inbox,),
+        )
+    if role is Role.AUDITOR:
+        return Permissions(
+            publish=(
+                _next_subject(FEED_STREAM, FEED_AUDITOR_CONSUMER),
+                *_ack_subjects(FEED_STREAM, FEED_AUDITOR_CONSUMER),
+            ),
+            subscribe=(inbox,),
+        )
+    raise ValueError(f"unknown role {role!r}")  # pragma: no cover - exhaustive enum
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One NATS user: its role, its name, where its seed lives, and its public key."""
+
+    role: Role
+    name: str
+    seed_path: Path
+    public_key: str
+
+    @property
+    def inbox_prefix(self) -> str:
+        """The private inbox prefix this identity's client must use."""
+        return inbox_prefix(self.role.value, self.name)
+
+    @property
+    def permissions(self) -> Permissions:
+        """What this identity may publish and subscribe to."""
+        return permissions_for(self.role, self.name)
+
+    @classmethod
+    def from_seed_file(cls, role: Role, name: str, seed_path: Path) -> Identity:
+        """The identity whose user seed is in `seed_path`; its public key is derived."""
+        return cls(role, check_token(name), seed_path, _public_key(_read_seed(seed_path)))
+
+
+def new_user_seed() -> bytes:
+    """A fresh NKey user seed (`SU...`), from 32 random bytes, encoded by the nkeys library."""
+    return bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+
+
+def _public_key(seed: bytes) -> str:
+    keypair = nkeys.from_seed(bytearray(seed))
+    try:
+        return str(keypair.public_key.decode())
+    finally:
+        # Best effort, as nats-py does: do not leave the private key around.
+        keypair.wipe()
+
+
+def _read_seed(path: Path) -> bytes:
+    try:
+        seed = path.read_bytes().strip()
+    except OSError as exc:
+        raise CredentialsError(f"cannot read seed file {path}: {exc.strerror}") from exc
+    if not seed.startswith(b"SU"):
+        raise CredentialsError(f"{path} does not hold an NKey user seed (SU...)")
+    return seed
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write `data` to `path` with mode 0600 from the start, replacing it atomically.
+
+    The temporary file is created 0600 by `mkstemp`, so the seed is never
+    readable by others, not even between creation and a chmod.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class CredentialSet:
+    """Every identity of one deployment, and the server's authorization block for them."""
+
+    directory: Path
+    identities: tuple[Identity, ...]
+
+    @property
+    def authorization_config(self) -> str:
+        """The `authorization { users: [...] }` block for the server's config file."""
+        return authorization_config(self.identities)
+
+    def get(self, role: Role, name: str) -> Identity:
+        """The identity `name` of `role`; KeyError if there is none."""
+        for identity in self.identities:
+            if identity.role is role and identity.name == name:
+                return identity
+        raise KeyError(f"no {role.value} identity named {name!r}")
+
+    @property
+    def ledger(self) -> Identity:
+        """The ledger service's identity."""
+        return next(i for i in self.identities if i.role is Role.LEDGER)
+
+    def host(self, name: str) -> Identity:
+        """Agent host `name`'s identity."""
+        return self.get(Role.HOST, name)
+
+    def executor(self, tool: str) -> Identity:
+        """The identity shared by the executors of `tool`."""
+        return self.get(Role.EXECUTOR, tool)
+
+    def auditor(self, name: str = "auditor") -> Identity:
+        """Auditor `name`'s identity."""
+        return self.get(Role.AUDITOR, name)
+
+
+def _manifest(identities: Iterable[Identity]) -> str:
+    entries = [
+        {
+            "role": i.role.value,
+            "name": i.name,
+            "seed_file": i.seed_path.name,
+            "public_key": i.public_key,
+        }
+        for i in identities
+    ]
+    return json.dumps({"version": 1, "identities": entries}, indent=2) + "\n"
+
+
+def generate_credentials(
+    directory: Path | str,
+    *,
+    hosts: Sequence[str],
+    tools: Sequence[str],
+    auditors: Sequence[str] = ("auditor",),
+    ledger: str = "ledger",
+) -> CredentialSet:
+    """Create a fresh seed per identity in `directory` (mode 0600) and a manifest.
+
+    Existing seed files of the same names are replaced: generating again rotates
+    every key, and the server config must then be rewritten and reloaded.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    # The directory holds secrets: keep others out of it too (no-op if not ours).
+    os.chmod(directory, 0o700)
+    wanted: list[tuple[Role, str]] = [(Role.LEDGER, ledger)]
+    wanted += [(Role.HOST, h) for h in hosts]
+    wanted += [(Role.EXECUTOR, t) for t in tools]
+    wanted += [(Role.AUDITOR, a) for a in auditors]
+    seen: set[tuple[Role, str]] = set()
+    identities: list[Identity] = []
+    for role, name in wanted:
+        check_token(name)
+        if (role, name) in seen:
+            raise CredentialsError(f"duplicate {role.value} identity {name!r}")
+        seen.add((role, name))
+        seed = new_user_seed()
+        path = directory / f"{role.value}-{name}.nk"
+        _write_private(path, seed + b"\n")
+        identities.append(Identity(role, name, path, _public_key(seed)))
+    (directory / MANIFEST_NAME).write_text(_manifest(identities), encoding="utf-8")
+    return CredentialSet(directory, tuple(identities))
+
+
+def load_credentials(directory: Path | str) -> CredentialSet:
+    """The identities generated earlier in `directory`, checked against their seeds."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        entries = manifest["identities"]
+        identities = []
+        for entry in entries:
+            identity = Identity.from_seed_file(
+                Role(entry["role"]), entry["name"], directory / entry["seed_file"]
+            )
+            if identity.public_key != entry["public_key"]:
+                raise CredentialsError(
+                    f"{identity.seed_path} does not match the public key in {manifest_path}"
+                )
+            identities.append(identity)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CredentialsError(f"unusable credentials manifest {manifest_path}: {exc}") from exc
+    return CredentialSet(directory, tuple(identities))
+
+
+def _subject_list(subjects: Sequence[str]) -> str:
+    return "[" + ", ".join(quote(s) for s in subjects) + "]"
+
+
+def authorization_config(identities: Iterable[Identity]) -> str:
+    """The server's `authorization` block: one NKey user per identity, allow lists only."""
+    lines = ["authorization {", "  users: ["]
+    for identity in identities:
+        perms = identity.permissions
+        lines += [
+            "    {",
+            f"      # {identity.role.value} {identity.name}",
+            f"      nkey: {quote(identity.public_key)}",
+            "      permissions: {",
+            f"        publish: {{ allow: {_subject_list(perms.publish)} }}",
+            f"        subscribe: {{ allow: {_subject_list(perms.subscribe)} }}",
+        ]
+        if perms.allow_responses is not None:
+            rp = perms.allow_responses
+            lines.append(
+                f"        allow_responses: {{ max: {rp.max}, expires: {quote(rp.expires)} }}"
+            )
+        lines += ["      }", "    }"]
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_server_config(
+    path: Path | str,
+    credentials: CredentialSet,
+    *,
+    port: int,
+    store_dir: Path | str,
+    server_name: str,
+    host: str = "127.0.0.1",
+    monitor_port: int | None = None,
+    cluster: ClusterOptions | None = None,
+) -> Path:
+    """Write a complete nats-server config (JetStream, listen address, users) to `path`.
+
+    The file names public keys only, but it is still written 0600: it describes
+    who may do what, which is nobody else's business.
+    """
+    path = Path(path)
+    settings = ServerSettings(
+        server_name=server_name,
+        port=port,
+        host=host,
+        store_dir=Path(store_dir),
+        monitor_port=monitor_port,
+        cluster=cluster,
+        authorization=credentials.authorization_config,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_private(path, render_server_config(settings).encode())
+    return path
+
+
+# Which requester may send a request on each request subject the ledger serves.
+_REQUESTER_ROLE = {"propose": Role.HOST, "status": Role.HOST, "lease": Role.EXECUTOR}
+
+
+def reply_allowed(request_subject: str, reply: str | None) -> bool:
+    """Whether the ledger may answer a request on `request_subject` at `reply`.
+
+    The server does not check the reply subject a client puts on a message, and
+    `allow_responses` lets the ledger publish to whatever that subject is. So a
+    host could send a proposal with reply `ops.exec.<tool>` or
+    `ops.outcome.<other host>.<op>` and have the ledger publish its answer there,
+    with the ledger's authority (verified against nats-server 2.15.1 in
+    tests/nats/test_permissions.py). The ledger service must therefore answer only
+    replies inside the private inbox of the identity the request subject belongs
+    to: `ops.propose.H` / `ops.status.H` -> `_INBOX_host_H.`, `ops.lease.T` ->
+    `_INBOX_exec_T.`. Anything else is dropped (and worth logging).
+    """
+    if not reply:
+        return False
+    parts = request_subject.split(".")
+    if len(parts) != 3 or parts[0] != "ops" or parts[1] not in _REQUESTER_ROLE:
+        return False
+    try:
+        prefix = inbox_prefix(_REQUESTER_ROLE[parts[1]].value, parts[2]) + "."
+    except ValueError:
+        return False
+    rest = reply[len(prefix) :]
+    return (
+        reply.startswith(prefix)
+        and rest != ""
+        and all(token not in ("", "*", ">") for token in rest.split("."))
+    )
+
+
+def connect_options(identity: Identity) -> dict[str, Any]:
+    """Keyword arguments for `nats.connect(servers, **connect_options(identity))`.
+
+    - `nkeys_seed`: the seed file's path; nats-py (2.16) reads it when signing the
+      server's nonce, and wipes the key pair after each use.
+    - `inbox_prefix`: the identity's private prefix; with the default `_INBOX`
+      every request would fail, since nobody may subscribe to `_INBOX.>`.
+    - `name`: shows the role and name in the server's connection list.
+
+    A JetStream pull consumer must then be bound with `js.pull_subscribe_bind(...)`,
+    which uses the connection's inbox prefix and looks nothing up.
+    """
+    return {
+        "nkeys_seed": str(identity.seed_path),
+        "inbox_prefix": identity.inbox_prefix,
+        "name": f"opledger-{identity.role.value}-{identity.name}",
+    }

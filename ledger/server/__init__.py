@@ -1,0 +1,1 @@
+"""The ledger service: the ledger on NATS JetStream (a FastStream application)."""

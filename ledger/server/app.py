@@ -1,0 +1,280 @@
+"""The ledger service: proposals, leases, results and status over NATS.
+
+Request/reply subjects are served by a FastStream `NatsBroker` in a queue group,
+so several service instances share the load without answering twice. Results
+come from a durable JetStream pull consumer shared the same way. Every handler
+parses its input itself and always answers with a structured message: a bad
+request gets an error envelope, never silence or a stack trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from faststream import FastStream, Path
+from faststream.nats import NatsBroker, NatsMessage
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from pydantic import BaseModel, ValidationError
+
+from ledger.server.gateway import LedgerGateway
+from ledger.server.relay import Relay
+from ledger.service import Ledger
+from schemas import (
+    RESULTS_CONSUMER,
+    RESULTS_STREAM,
+    ErrorCategory,
+    ErrorInfo,
+    LeaseRequest,
+    OperationStatus,
+    OpledgerError,
+    ProposalEnvelope,
+    ProposeReply,
+    ResultEnvelope,
+    StatusRequest,
+    check_token,
+)
+
+__all__ = ["LedgerService", "ServiceOptions"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceOptions:
+    """How the service connects and behaves."""
+
+    nats_url: str
+    connect_options: dict[str, Any] = field(default_factory=dict)
+    """Extra `nats.connect` options: credentials and inbox prefix."""
+    queue_group: str = "opledger-ledger"
+    result_batch: int = 256
+    sweep_interval: timedelta = timedelta(seconds=2)
+    declare: Callable[[JetStreamContext], Awaitable[None]] | None = None
+    """Declares streams and consumers at start (the service owns the topology)."""
+    allowed_tenants: dict[str, frozenset[str]] | None = None
+    """Host → tenants it may act for; None trusts every host for every tenant."""
+
+
+def _invalid(exc: ValidationError) -> ErrorInfo:
+    return ErrorInfo(
+        code="INVALID_MESSAGE",
+        category=ErrorCategory.INVALID_INPUT,
+        message="the message does not match its schema",
+        safe_details={
+            "errors": [
+                {"path": "/" + "/".join(str(p) for p in e["loc"]), "message": e["msg"]}
+                for e in exc.errors()[:10]
+            ]
+        },
+    )
+
+
+def _reply(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+class LedgerService:
+    """The ledger on NATS: start, serve, stop."""
+
+    def __init__(self, ledger: Ledger, options: ServiceOptions) -> None:
+        self.ledger = ledger
+        self.options = options
+        self.broker = NatsBroker(options.nats_url, **options.connect_options)
+        self.app = FastStream(self.broker)
+        self.gateway: LedgerGateway | None = None
+        self.relay: Relay | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._register()
+
+    # ----------------------------------------------------------------- handlers
+
+    def _register(self) -> None:
+        queue = self.options.queue_group
+
+        @self.broker.subscriber("ops.propose.{host}", queue=queue)
+        async def on_propose(message: NatsMessage, host: str = Path()) -> bytes:
+            return _reply(await self._propose(message.body, host))
+
+        @self.broker.subscriber("ops.status.{host}", queue=queue)
+        async def on_status(message: NatsMessage, host: str = Path()) -> bytes:
+            return _reply(await self._status(message.body, host))
+
+        @self.broker.subscriber("ops.lease.{tool}", queue=queue)
+        async def on_lease(message: NatsMessage, tool: str = Path()) -> bytes:
+            return await self._lease(message.body, tool)
+
+    @property
+    def _gateway(self) -> LedgerGateway:
+        assert self.gateway is not None, "the service is not started"
+        return self.gateway
+
+    async def _propose(self, body: bytes, host: str) -> ProposeReply:
+        try:
+            envelope = ProposalEnvelope.model_validate_json(body)
+        except ValidationError as exc:
+            return ProposeReply(error=_invalid(exc))
+        allowed = self.options.allowed_tenants
+        if allowed is not None and envelope.context.tenant not in allowed.get(host, frozenset()):
+            return ProposeReply(
+                error=ErrorInfo(
+                    code="TENANT_NOT_ALLOWED",
+                    category=ErrorCategory.UNAUTHORIZED,
+                    message="this host may not act for that tenant",
+                )
+            )
+        try:
+            submission = await self._gateway.submit((envelope.proposal, envelope.context, host))
+        except OpledgerError as error:
+            return ProposeReply(error=error.to_info())
+        return ProposeReply(
+            operation_id=submission.operation_id,
+            state=submission.state.value,
+            created=submission.created,
+            decision=submission.decision,
+        )
+
+    async def _status(self, body: bytes, host: str) -> OperationStatus | ProposeReply:
+        try:
+            request = StatusRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return ProposeReply(error=_invalid(exc))
+        try:
+            status = await self._gateway.status(request.operation_id)
+            owner = await self._gateway.call(self._host_of, request.operation_id)
+        except OpledgerError as error:
+            return ProposeReply(operation_id=request.operation_id, error=error.to_info())
+        if owner != host:
+            # Another host's operation is reported exactly like a missing one.
+            return ProposeReply(
+                operation_id=request.operation_id,
+                error=ErrorInfo(
+                    code="OPERATION_NOT_FOUND",
+                    category=ErrorCategory.NOT_FOUND,
+                    message="no such operation",
+                ),
+            )
+        return status
+
+    def _host_of(self, operation_id: str) -> str:
+        return self.ledger.get(operation_id).host
+
+    async def _lease(self, body: bytes, tool: str) -> bytes:
+        try:
+            request = LeaseRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _reply(ProposeReply(error=_invalid(exc)))
+        try:
+            reply = await self._gateway.lease(request.operation_id, request.executor, tool)
+        except OpledgerError as error:
+            return _reply(ProposeReply(operation_id=request.operation_id, error=error.to_info()))
+        return _reply(reply)
+
+    # ------------------------------------------------------------------ results
+
+    async def _consume_results(self, js: JetStreamContext) -> None:
+        subscription = await js.pull_subscribe_bind(RESULTS_CONSUMER, stream=RESULTS_STREAM)
+        while True:
+            try:
+                messages = await subscription.fetch(self.options.result_batch, timeout=1)
+            except NatsTimeout:
+                continue
+            except Exception:
+                _log.exception("fetching results failed")
+                await asyncio.sleep(1)
+                continue
+            await self._record(messages)
+
+    async def _record(self, messages: Sequence[Any]) -> None:
+        accepted: list[tuple[Any, ResultEnvelope]] = []
+        for message in messages:
+            tool = message.subject.rsplit(".", 1)[-1]
+            try:
+                envelope = ResultEnvelope.model_validate_json(message.data)
+            except ValidationError:
+                _log.warning("dropping a malformed result on %s", message.subject)
+                await message.term()
+                continue
+            if envelope.provenance.tool != tool:
+                _log.warning(
+                    "dropping a result for %s published on %s",
+                    envelope.provenance.tool,
+                    message.subject,
+                )
+                await message.term()
+                continue
+            accepted.append((message, envelope))
+        outcomes = await asyncio.gather(
+            *(self._gateway.record(envelope) for _, envelope in accepted), return_exceptions=True
+        )
+        for (message, envelope), outcome in zip(accepted, outcomes, strict=True):
+            if isinstance(outcome, OpledgerError) and outcome.retryable:
+                await message.nak(delay=1)  # the ledger was unavailable: try again
+                continue
+            if isinstance(outcome, BaseException):
+                _log.warning("result for %s refused: %s", envelope.operation_id, outcome)
+            await message.ack()
+
+    # ------------------------------------------------------------------- sweeps
+
+    async def _sweep(self) -> None:
+        interval = self.options.sweep_interval.total_seconds()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._gateway.call(self.ledger.expire_approvals)
+                await self._gateway.call(self.ledger.expire_leases)
+                self._gateway.written.set()
+            except Exception:
+                _log.exception("sweep failed")
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Connect, declare the topology, and begin serving."""
+        self.gateway = LedgerGateway(self.ledger)
+        self.gateway.start()
+        await self.broker.connect()
+        nc = self.broker.connection
+        js = nc.jetstream()
+        if self.options.declare is not None:
+            await self.options.declare(js)
+        self.relay = Relay(self.gateway, nc)
+        self.relay.start()
+        await self.broker.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._consume_results(js), name="ledger-results"),
+            loop.create_task(self._sweep(), name="ledger-sweeps"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop serving; what was not relayed is relayed by the next start."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.relay is not None:
+            await self.relay.stop()
+        with contextlib.suppress(Exception):
+            await self.broker.stop()
+        if self.gateway is not None:
+            await self.gateway.stop()
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set."""
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+
+def check_host(host: str) -> str:
+    """A host name usable as a subject token."""
+    return check_token(host)

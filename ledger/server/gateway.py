@@ -1,0 +1,155 @@
+"""An asyncio front for the synchronous ledger, batching concurrent requests.
+
+The ledger's cost per operation is dominated by Python work and one database
+transaction per append; grouping the requests that arrive while a batch runs
+into the next batch makes one transaction serve many operations. All ledger
+work runs on one thread, so the database sees a single writer per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from ledger.domain.errors import LedgerError
+from ledger.domain.states import ResultDisposition
+from ledger.service import Ledger, Submission, SubmitItem
+from schemas import (
+    ErrorCategory,
+    LeaseReply,
+    OperationStatus,
+    OpledgerError,
+    ResultEnvelope,
+)
+
+__all__ = ["LedgerGateway"]
+
+_log = logging.getLogger(__name__)
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class InternalFailure(OpledgerError):
+    """A batch failed for a reason that is not the caller's (logged, not shown)."""
+
+    category = ErrorCategory.INTERNAL
+    code = "LEDGER_UNAVAILABLE"
+    retryable = True
+
+
+@dataclass
+class _Lane(Generic[In, Out]):
+    """Requests of one kind waiting for the next batch."""
+
+    run: Callable[[list[In]], Sequence[Out | LedgerError]]
+    items: list[In] = field(default_factory=list)
+    futures: list[asyncio.Future[Out]] = field(default_factory=list)
+
+
+class LedgerGateway:
+    """Submit, lease, record and query, batched, from asyncio code."""
+
+    def __init__(self, ledger: Ledger, *, max_batch: int = 256) -> None:
+        self.ledger = ledger
+        self._max_batch = max_batch
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger")
+        self._wakeup = asyncio.Event()
+        self._lanes: dict[str, _Lane[Any, Any]] = {
+            "submit": _Lane(self._submit_batch),
+            "lease": _Lane(ledger.lease_many),
+            "result": _Lane(ledger.record_results),
+        }
+        self._task: asyncio.Task[None] | None = None
+        self.written = asyncio.Event()
+        """Set after every batch that may have appended events (for the relay)."""
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the batching loop on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="ledger-batches")
+
+    async def stop(self) -> None:
+        """Stop batching and release the ledger thread."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._thread.shutdown(wait=True)
+
+    async def call(self, fn: Callable[..., Out], *args: Any) -> Out:
+        """Run any ledger function on the ledger thread (unbatched)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    # ------------------------------------------------------------------ requests
+
+    async def submit(self, item: SubmitItem) -> Submission:
+        """Record and check one proposal (batched with others)."""
+        result: Submission = await self._enqueue("submit", item)
+        return result
+
+    async def lease(self, operation_id: str, executor: str, tool: str) -> LeaseReply:
+        """Answer a lease request (batched with others)."""
+        result: LeaseReply = await self._enqueue("lease", (operation_id, executor, tool))
+        return result
+
+    async def record(self, envelope: ResultEnvelope) -> ResultDisposition:
+        """Record one result (batched with others)."""
+        result: ResultDisposition = await self._enqueue("result", envelope)
+        return result
+
+    async def status(self, operation_id: str) -> OperationStatus:
+        """Where one operation stands."""
+        return await self.call(self.ledger.status, operation_id)
+
+    def _enqueue(self, lane: str, item: Any) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._lanes[lane].items.append(item)
+        self._lanes[lane].futures.append(future)
+        self._wakeup.set()
+        return future
+
+    # --------------------------------------------------------------------- batches
+
+    def _submit_batch(self, items: list[SubmitItem]) -> list[Submission | LedgerError]:
+        try:
+            return list(self.ledger.submit_many(items))
+        except LedgerError:
+            # One bad item (a conflicting ID) must not fail the others: one by one.
+            answers: list[Submission | LedgerError] = []
+            for item in items:
+                try:
+                    answers.append(self.ledger.submit_many([item])[0])
+                except LedgerError as error:
+                    answers.append(error)
+            return answers
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            for lane in self._lanes.values():
+                while lane.items:
+                    items = lane.items[: self._max_batch]
+                    futures = lane.futures[: self._max_batch]
+                    del lane.items[: self._max_batch]
+                    del lane.futures[: self._max_batch]
+                    try:
+                        answers = await loop.run_in_executor(self._thread, lane.run, items)
+                    except Exception as exc:  # a bug or an outage: every caller learns it
+                        _log.exception("ledger batch failed")
+                        failure = InternalFailure("the ledger could not process the request")
+                        failure.__cause__ = exc
+                        answers = [failure] * len(items)
+                    for future, answer in zip(futures, answers, strict=True):
+                        if future.done():
+                            continue
+                        if isinstance(answer, BaseException):
+                            future.set_exception(answer)
+                        else:
+                            future.set_result(answer)
+                    self.written.set()

@@ -1,0 +1,216 @@
+"""The relay: the ledger's outbox, published to NATS in event order.
+
+Every appended event is mirrored on the feed; an operation that became ready
+gets a work item on its tool's work queue; an operation that reached a final
+state gets its outcome announced to the host that proposed it. The relay
+advances its position only after JetStream acknowledged the publishes, so a
+crash between commit and publish means a republish (deduplicated by message
+ID), never a lost work item. One relay runs at a time per database: instances
+take turns through a lease row, so two services do not dispatch twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from ledger.audit.export import feed_record
+from ledger.server.gateway import LedgerGateway
+from ledger.service import FINAL_STATES, Ledger
+from schemas import Subjects, WorkItem
+
+__all__ = ["Relay"]
+
+_log = logging.getLogger(__name__)
+_NAME = "relay"
+_DISPATCH = {"Readied", "RetryScheduled"}
+_SETTLING = {
+    "Succeeded",
+    "Failed",
+    "Rejected",
+    "ApprovalDenied",
+    "ApprovalExpired",
+    "Cancelled",
+    "Reconciled",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    subject: str
+    payload: bytes
+    message_id: str | None  # None: core NATS (outcome notices are not stored)
+
+
+class Relay:
+    """Follows the event log and publishes what each event means for others."""
+
+    def __init__(
+        self,
+        gateway: LedgerGateway,
+        nc: Client,
+        *,
+        batch: int = 500,
+        lease: timedelta = timedelta(seconds=10),
+    ) -> None:
+        self._gateway = gateway
+        self._ledger: Ledger = gateway.ledger
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream()
+        self._batch = batch
+        self._lease = lease
+        self._owner = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self._task: asyncio.Task[None] | None = None
+        self._ledger.db.execute(
+            "CREATE TABLE IF NOT EXISTS opledger_relay ("
+            " name TEXT PRIMARY KEY, position BIGINT NOT NULL, owner TEXT, until TEXT)"
+        )
+        self._ledger.db.execute(
+            "INSERT INTO opledger_relay (name, position) VALUES (?, 0)"
+            " ON CONFLICT (name) DO NOTHING",
+            (_NAME,),
+        )
+
+    def start(self) -> None:
+        """Run the relay until `stop`."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-relay")
+
+    async def stop(self) -> None:
+        """Stop relaying (what was not published is published by the next relay)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        written = self._gateway.written
+        while True:
+            try:
+                while await self.pump():
+                    pass
+            except Exception:
+                _log.exception("relay failed; retrying")
+                await asyncio.sleep(1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(written.wait(), timeout=0.25)
+            written.clear()
+
+    async def pump(self) -> int:
+        """Publish one batch of new events; returns how many (0: nothing new or not ours)."""
+        claimed = await self._gateway.call(self._read_batch)
+        if claimed is None:
+            return 0
+        position, messages = claimed
+        if not messages and position is None:
+            return 0
+        await self._publish(messages)
+        if position is not None:
+            await self._gateway.call(self._advance, position)
+        return len(messages) or 1
+
+    # ------------------------------------------------------------- ledger thread
+
+    def _claim(self) -> int | None:
+        """Take (or renew) the relay lease; the position to continue from, or None."""
+        now = datetime.now(UTC)
+        changed = self._ledger.db.execute_count(
+            "UPDATE opledger_relay SET owner = ?, until = ?"
+            " WHERE name = ? AND (owner IS NULL OR owner = ? OR until < ?)",
+            (self._owner, (now + self._lease).isoformat(), _NAME, self._owner, now.isoformat()),
+        )
+        if not changed:
+            return None
+        rows = self._ledger.db.query("SELECT position FROM opledger_relay WHERE name = ?", (_NAME,))
+        return int(rows[0][0])
+
+    def _read_batch(self) -> tuple[int | None, list[_Message]] | None:
+        position = self._claim()
+        if position is None:
+            return None
+        ledger = self._ledger
+        rows = list(ledger.stored_rows_after(position, self._batch))
+        if not rows:
+            return None, []
+        ledger.refresh()  # the view knows each operation's tool and host
+        messages: list[_Message] = []
+        for row in rows:
+            messages.extend(self._messages_for(row))
+        return rows[-1][0], messages
+
+    def _messages_for(self, row: tuple[int, str, int, str, bytes]) -> list[_Message]:
+        operation_id, version = row[1], row[2]
+        view = self._ledger.projector.row(operation_id)
+        if view is None:
+            return []
+        contract = self._ledger.checker.catalog.get(view.tool)
+        record = feed_record(row, contract.sensitive_arguments if contract else ())
+        kind = record["type"]
+        messages = [
+            _Message(
+                Subjects.feed(view.tool, kind),
+                orjson.dumps(record),
+                f"{operation_id}:{version}",
+            )
+        ]
+        if kind in _DISPATCH and view.tool_version:
+            state: dict[str, Any] = record["event"]
+            attempt = int(state.get("after_attempt", 0)) + 1
+            item = WorkItem(
+                operation_id=operation_id,
+                tool=view.tool,
+                tool_version=view.tool_version,
+                attempt=attempt,
+            )
+            messages.append(
+                _Message(
+                    Subjects.work(view.tool),
+                    item.model_dump_json().encode(),
+                    f"{operation_id}:{version}",
+                )
+            )
+        if kind in _SETTLING and view.host:
+            status = self._ledger.status(operation_id)
+            if status.final and status.state in {s.value for s in FINAL_STATES}:
+                messages.append(
+                    _Message(
+                        Subjects.outcome(view.host, operation_id),
+                        status.model_dump_json().encode(),
+                        None,
+                    )
+                )
+        return messages
+
+    def _advance(self, position: int) -> None:
+        self._ledger.db.execute(
+            "UPDATE opledger_relay SET position = ? WHERE name = ? AND owner = ?",
+            (position, _NAME, self._owner),
+        )
+
+    # -------------------------------------------------------------- event loop
+
+    async def _publish(self, messages: list[_Message]) -> None:
+        pending = []
+        for message in messages:
+            if message.message_id is None:
+                await self._nc.publish(message.subject, message.payload)
+            else:
+                pending.append(
+                    self._js.publish(
+                        message.subject,
+                        message.payload,
+                        headers={"Nats-Msg-Id": message.message_id},
+                    )
+                )
+        # All stored publishes in flight at once; any failure raises, and the
+        # position stays where it was, so the whole batch is published again.
+        await asyncio.gather(*pending)
+        await self._nc.flush()
