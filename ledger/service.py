@@ -26,7 +26,8 @@ from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.results import ResultStore
 from ledger.adapters.sql import SqlDatabase
 from ledger.audit.export import export_jsonl
-from ledger.audit.verify import StoredRow, VerificationReport, verify_ledger
+from ledger.audit.parallel import DEFAULT_CHUNK_SIZE, LedgerTables, verify_stored
+from ledger.audit.verify import StoredRow, VerificationReport
 from ledger.budget import LedgerBudgetCounter
 from ledger.domain.errors import (
     ApprovalRefused,
@@ -357,9 +358,18 @@ class Ledger:
         with self._cache_lock:
             return self._cache.get(operation_id)
 
-    def _update(self, operation_id: str, command: Callable[[Operation], T]) -> T:
-        """Run `command` on the operation and save; on a lost race, again on fresh state."""
-        operation = self._cached(operation_id)
+    def _update(
+        self, operation_id: str, command: Callable[[Operation], T], *, use_cache: bool = True
+    ) -> T:
+        """Run `command` on the operation and save; on a lost race, again on fresh state.
+
+        A cached operation may be stale (another process wrote since). An answer
+        that appends events is safe anyway: the append's version check fails
+        and the command runs again on the stored state. An answer that appends
+        nothing (a refusal, "busy", "done", a duplicate) is believed only when
+        it was computed from the stored state.
+        """
+        operation = self._cached(operation_id) if use_cache else None
         for _ in range(self._conflict_retries):
             from_cache = operation is not None
             if operation is None:
@@ -376,6 +386,9 @@ class Ledger:
                 self._forget(operation_id)
                 raise
             if not operation.pending_events:
+                if from_cache:
+                    operation = None
+                    continue
                 return answer
             try:
                 self._save(operation)
@@ -589,28 +602,35 @@ class Ledger:
             return [self._one(operation_id, command) for operation_id, command in items]
         answers: list[T | LedgerError] = []
         changed: list[Operation] = []
-        for operation_id, command in items:
+        recheck: list[int] = []  # answers that appended nothing, from a cached state
+        for index, (operation_id, command) in enumerate(items):
+            cached = self._cached(operation_id)
             try:
-                operation = self._cached(operation_id) or self.get(operation_id)
+                operation = cached or self.get(operation_id)
                 answers.append(command(operation))
             except LedgerError as error:
                 self._forget(operation_id)
                 answers.append(error)
+                if cached is not None:
+                    recheck.append(index)
                 continue
             if operation.pending_events:
                 changed.append(operation)
+            elif cached is not None:
+                recheck.append(index)
         try:
             self._save(*changed)
         except IntegrityError:
             return [self._one(operation_id, command) for operation_id, command in items]
-        for index, answer in enumerate(answers):
-            if isinstance(answer, LedgerError):  # it may come from a stale cached state
-                answers[index] = self._one(*items[index])
+        for index in recheck:  # see `_update`: believe no-op answers from stored state only
+            answers[index] = self._one(*items[index], use_cache=False)
         return answers
 
-    def _one(self, operation_id: str, command: Callable[[Operation], T]) -> T | LedgerError:
+    def _one(
+        self, operation_id: str, command: Callable[[Operation], T], *, use_cache: bool = True
+    ) -> T | LedgerError:
         try:
-            return self._update(operation_id, command)
+            return self._update(operation_id, command, use_cache=use_cache)
         except LedgerError as error:
             return error
 
@@ -697,10 +717,24 @@ class Ledger:
 
     # ----------------------------------------------------------------- auditing
 
-    def verify(self, *, expected_head: str | None = None) -> VerificationReport:
-        """Check every event's hash chain and the sealed global digest."""
-        return verify_ledger(
-            self.stored_rows(), self.projector.digest_rows(), expected_head=expected_head
+    def verify(
+        self,
+        *,
+        expected_head: str | None = None,
+        workers: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> VerificationReport:
+        """Check every event's hash chain and the sealed global digest.
+
+        The table is read and checked `chunk_size` positions at a time, by
+        `workers` processes (None: one per CPU for a large ledger, else just
+        this one; 1: this process only). The report does not depend on either.
+        """
+        return verify_stored(
+            LedgerTables(self.db.storage, self.events_table),
+            expected_head=expected_head,
+            workers=workers,
+            chunk_size=chunk_size,
         )
 
     def stored_rows_after(self, position: int, limit: int) -> list[StoredRow]:
@@ -719,18 +753,19 @@ class Ledger:
         that no row can hide at a position the log does not show.
         """
         position = "notification_id" if self.db.is_postgres else "rowid"
-        after = -(2**63)
+        # `>=` on the first page: a row at the lowest 64-bit position must not hide either.
+        after, above = -(2**63), ">="
         while True:
             rows = self.db.query(
                 f"SELECT {position}, originator_id, originator_version, topic, state"
-                f" FROM {self.events_table} WHERE {position} > ? ORDER BY {position} LIMIT ?",
+                f" FROM {self.events_table} WHERE {position} {above} ? ORDER BY {position} LIMIT ?",
                 (after, page),
             )
             # Both drivers already return (int, str, int, str, bytes): no conversion.
             yield from rows
             if len(rows) < page:
                 return
-            after = int(rows[-1][0])
+            after, above = int(rows[-1][0]), ">"
 
     def export(self, out: IO[bytes]) -> int:
         """Write the ledger as JSON Lines, sensitive argument values hashed."""

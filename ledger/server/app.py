@@ -19,10 +19,12 @@ from typing import Any
 
 from faststream import FastStream, Path
 from faststream.nats import NatsBroker, NatsMessage
+from faststream.nats.security import NatsNKey
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
+from ledger.nats.security import reply_allowed
 from ledger.server.gateway import LedgerGateway
 from ledger.server.relay import Relay
 from ledger.service import Ledger
@@ -62,6 +64,15 @@ class ServiceOptions:
     """Host → tenants it may act for; None trusts every host for every tenant."""
 
 
+def _broker_options(connect_options: dict[str, Any]) -> dict[str, Any]:
+    """nats-py connect options as FastStream broker arguments (NKeys via `security`)."""
+    options = dict(connect_options)
+    seed = options.pop("nkeys_seed", None)
+    if seed is not None:
+        options["security"] = NatsNKey(seed)
+    return options
+
+
 def _invalid(exc: ValidationError) -> ErrorInfo:
     return ErrorInfo(
         code="INVALID_MESSAGE",
@@ -86,7 +97,7 @@ class LedgerService:
     def __init__(self, ledger: Ledger, options: ServiceOptions) -> None:
         self.ledger = ledger
         self.options = options
-        self.broker = NatsBroker(options.nats_url, **options.connect_options)
+        self.broker = NatsBroker(options.nats_url, **_broker_options(options.connect_options))
         self.app = FastStream(self.broker)
         self.gateway: LedgerGateway | None = None
         self.relay: Relay | None = None
@@ -96,19 +107,34 @@ class LedgerService:
     # ----------------------------------------------------------------- handlers
 
     def _register(self) -> None:
+        # no_reply: FastStream would answer whatever reply subject a client
+        # chose, and the server does not check it; `_answer` only answers inside
+        # the requester's own inbox (see ledger.nats.security.reply_allowed).
         queue = self.options.queue_group
+        inbox = self.options.connect_options.get("inbox_prefix", "_INBOX")
 
-        @self.broker.subscriber("ops.propose.{host}", queue=queue)
-        async def on_propose(message: NatsMessage, host: str = Path()) -> bytes:
-            return _reply(await self._propose(message.body, host))
+        @self.broker.subscriber(
+            "ops.propose.{host}", queue=queue, no_reply=True, inbox_prefix=inbox
+        )
+        async def on_propose(message: NatsMessage, host: str = Path()) -> None:
+            await self._answer(message, _reply(await self._propose(message.body, host)))
 
-        @self.broker.subscriber("ops.status.{host}", queue=queue)
-        async def on_status(message: NatsMessage, host: str = Path()) -> bytes:
-            return _reply(await self._status(message.body, host))
+        @self.broker.subscriber("ops.status.{host}", queue=queue, no_reply=True, inbox_prefix=inbox)
+        async def on_status(message: NatsMessage, host: str = Path()) -> None:
+            await self._answer(message, _reply(await self._status(message.body, host)))
 
-        @self.broker.subscriber("ops.lease.{tool}", queue=queue)
-        async def on_lease(message: NatsMessage, tool: str = Path()) -> bytes:
-            return await self._lease(message.body, tool)
+        @self.broker.subscriber("ops.lease.{tool}", queue=queue, no_reply=True, inbox_prefix=inbox)
+        async def on_lease(message: NatsMessage, tool: str = Path()) -> None:
+            await self._answer(message, await self._lease(message.body, tool))
+
+    async def _answer(self, message: NatsMessage, payload: bytes) -> None:
+        subject = message.raw_message.subject
+        if not reply_allowed(subject, message.reply_to):
+            _log.warning(
+                "not answering %s at %r: outside the requester's inbox", subject, message.reply_to
+            )
+            return
+        await self.broker.connection.publish(message.reply_to, payload)
 
     @property
     def _gateway(self) -> LedgerGateway:

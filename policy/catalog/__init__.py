@@ -22,7 +22,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from policy import SemanticInput, SemanticRule, Target
+from policy import InMemoryTargetResolver, SemanticInput, SemanticRule, Target, TargetResolver
 from schemas import CheckStage, ErrorCategory, ValidationIssue
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "incident_top_k_limit",
     "order_date_range",
     "refund_within_order",
+    "sample_plugins",
     "sample_targets",
     "snapshots_distinct_and_ordered",
     "span_within_document",
@@ -507,3 +508,12 @@ def sample_targets() -> list[Target]:
         ),
         Target(kind="customer", id="cus-9001", tenant="globex", attributes={"name": "Carol"}),
     ]
+
+
+def sample_plugins() -> tuple[TargetResolver, dict[str, tuple[SemanticRule, ...]]]:
+    """The resolver and semantic rules of the sample world, as a service plugin.
+
+    A deployment names its own factory (`module:function`) returning its
+    resolver over its real systems and its rules; the embedded stack uses this.
+    """
+    return InMemoryTargetResolver(sample_targets()), SAMPLE_RULES

@@ -1,0 +1,123 @@
+"""`python -m ledger.server` / `opledger serve`: run the ledger service until a signal.
+
+    opledger serve --database .opledger/ledger.db --nats-url nats://127.0.0.1:4333 \\
+        --creds .opledger/creds/ledger-ledger.nk --tools search_documents,send_customer_email
+
+A configuration error prints one line and exits 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ledger.adapters.storage import StorageConfig
+from ledger.bootstrap import build_ledger
+from ledger.nats.topology import declare_topology
+from ledger.server.app import LedgerService, ServiceOptions
+from schemas import OpledgerError, inbox_prefix
+
+__all__ = ["build_parser", "run_service_main"]
+
+_log = logging.getLogger("opledger.service")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ledger service."""
+    parser = argparse.ArgumentParser(prog="opledger serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--database", required=True, help="SQLite file, or a postgresql:// DSN")
+    parser.add_argument("--postgres-schema", default="")
+    parser.add_argument("--nats-url", required=True)
+    parser.add_argument("--creds", type=Path, help="the ledger identity's NKey seed file")
+    parser.add_argument("--name", default="ledger", help="the ledger identity's name")
+    parser.add_argument("--contracts", type=Path, help="contract directory (default: samples)")
+    parser.add_argument("--tools", default="", help="comma-separated tools to declare work for")
+    parser.add_argument(
+        "--plugins",
+        default="policy.catalog:sample_plugins",
+        help="module:function returning (resolver, rules)",
+    )
+    parser.add_argument("--ack-wait", type=float, default=30.0, help="work item ack wait, s")
+    parser.add_argument("--max-deliver", type=int, default=10)
+    parser.add_argument("--lease-grace", type=float, default=5.0, help="seconds")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _plugins(spec: str) -> tuple[Any, Any]:
+    module_name, _, attribute = spec.partition(":")
+    factory: Callable[[], tuple[Any, Any]] = getattr(
+        importlib.import_module(module_name), attribute
+    )
+    return factory()
+
+
+def _storage(database: str, schema: str) -> StorageConfig:
+    if database.startswith(("postgresql://", "postgres://")):
+        return StorageConfig.postgres(database, schema)
+    return StorageConfig.sqlite(Path(database))
+
+
+async def _serve(service: LedgerService) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.run_until(stop)
+
+
+def run_service_main(argv: Sequence[str] | None = None) -> int:
+    """Run the ledger service; the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        resolver, rules = _plugins(args.plugins)
+        ledger = build_ledger(
+            _storage(args.database, args.postgres_schema),
+            contracts_dir=args.contracts,
+            resolver=resolver,
+            rules=rules,
+            lease_grace=timedelta(seconds=args.lease_grace),
+        )
+    except (OpledgerError, ImportError, AttributeError, ValueError, OSError) as exc:
+        print(f"error: cannot start the ledger service: {exc}", file=sys.stderr)
+        return 2
+    tools = [t for t in args.tools.split(",") if t] or sorted(ledger.checker.catalog)
+    connect: dict[str, Any] = {
+        "inbox_prefix": inbox_prefix("ledger", args.name),
+        "name": f"ledger-{args.name}",
+    }
+    if args.creds is not None:
+        connect["nkeys_seed"] = str(args.creds)
+
+    async def declare(js: Any) -> None:
+        await declare_topology(
+            js,
+            tools,
+            ack_wait_s=args.ack_wait,
+            max_deliver=args.max_deliver,
+            replicas=args.replicas,
+        )
+
+    service = LedgerService(
+        ledger, ServiceOptions(nats_url=args.nats_url, connect_options=connect, declare=declare)
+    )
+    try:
+        asyncio.run(_serve(service))
+    except OpledgerError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    finally:
+        ledger.close()
+    return 0

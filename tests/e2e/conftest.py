@@ -1,0 +1,146 @@
+"""A real embedded stack per test: nats-server, the ledger service and executors,
+each a separate process with its own least-privilege credentials."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from ledger import Ledger, StorageConfig, build_ledger
+from ledger.nats import CredentialSet, NatsServer, connect_as, generate_credentials
+from policy.catalog import CATALOG_DIR, sample_plugins
+from schemas import StatusRequest, Subjects
+
+SAMPLE_TOOLS = {
+    "search_documents": "executors.samples.documents:search_documents",
+    "send_customer_email": "executors.samples.email:send_customer_email",
+}
+HOSTS = ("h1", "h2")
+ACK_WAIT_S = 2.0
+LEASE_GRACE_S = 1.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """nats-py is asyncio-only."""
+    return "asyncio"
+
+
+@dataclass
+class Stack:
+    """The running processes and where their state lives."""
+
+    home: Path
+    server: NatsServer
+    credentials: CredentialSet
+    service: subprocess.Popen[bytes]
+    executors: dict[str, list[subprocess.Popen[bytes]]] = field(default_factory=dict)
+
+    @property
+    def email_db(self) -> Path:
+        """The fake e-mail provider's file, shared by every e-mail executor process."""
+        return self.home / "email-provider.db"
+
+    def start_executor(self, tool: str, **env: str) -> subprocess.Popen[bytes]:
+        """Start one more executor process of `tool` with its own credentials."""
+        log = (self.home / f"exec-{tool}-{len(self.executors.get(tool, []))}.log").open("wb")
+        process = subprocess.Popen(
+            [
+                sys.executable, "-m", "executors", "run", SAMPLE_TOOLS[tool],
+                "--creds", str(self.credentials.executor(tool).seed_path),
+                "--nats-url", self.server.url,
+                "--contracts", str(CATALOG_DIR),
+                "--name", f"{tool}-{len(self.executors.get(tool, []))}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OPLEDGER_SECRET_EMAIL_PROVIDER_DB": str(self.email_db), **env},
+        )
+        self.executors.setdefault(tool, []).append(process)
+        return process
+
+    def ledger(self) -> Ledger:
+        """A second handle on the service's ledger (for approvals and inspection)."""
+        resolver, rules = sample_plugins()
+        return build_ledger(StorageConfig.sqlite(self.home / "ledger.db"), resolver=resolver,
+                            rules=rules)
+
+    def log(self, name: str) -> str:
+        """A process log, for failure messages."""
+        path = self.home / name
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+def _wait_for_service(stack: Stack, timeout_s: float = 20.0) -> None:
+    async def probe() -> bool:
+        nc = await connect_as(stack.server.url, stack.credentials.host("h1"),
+                              allow_reconnect=False, connect_timeout=2)
+        try:
+            request = StatusRequest(operation_id="probe").model_dump_json().encode()
+            await nc.request(Subjects.status("h1"), request, timeout=1)
+            return True
+        except Exception:
+            return False
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stack.service.poll() is not None:
+            raise RuntimeError(f"ledger service exited:\n{stack.log('service.log')}")
+        if asyncio.run(probe()):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"ledger service did not answer:\n{stack.log('service.log')}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    """nats-server + ledger service (no executors yet: each test starts its own)."""
+    credentials = generate_credentials(
+        tmp_path / "creds", hosts=HOSTS, tools=sorted(SAMPLE_TOOLS), auditors=("auditor",)
+    )
+    server = NatsServer(tmp_path / "nats", authorization=credentials.authorization_config)
+    server.start()
+    service_log = (tmp_path / "service.log").open("wb")
+    service = subprocess.Popen(
+        [
+            sys.executable, "-m", "ledger.server",
+            "--database", str(tmp_path / "ledger.db"),
+            "--nats-url", server.url,
+            "--creds", str(credentials.ledger.seed_path),
+            "--tools", ",".join(sorted(SAMPLE_TOOLS)),
+            "--ack-wait", str(ACK_WAIT_S),
+            "--lease-grace", str(LEASE_GRACE_S),
+        ],
+        stdout=service_log,
+        stderr=subprocess.STDOUT,
+    )
+    running = Stack(tmp_path, server, credentials, service)
+    try:
+        _wait_for_service(running)
+        yield running
+    finally:
+        for processes in running.executors.values():
+            for process in processes:
+                _stop(process)
+        _stop(service)
+        server.stop()

@@ -1,0 +1,179 @@
+"""End to end on a real nats-server: host → ledger service → executor process → host."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from jsonschema import Draft202012Validator
+
+from executors.samples.email import count_sends
+from ledger.client import AgentHostClient
+from ledger.nats import connect_as
+from schemas import (
+    SCHEMA_DIR,
+    OperationStatus,
+    ProposeReply,
+    RuntimeContext,
+    Subjects,
+    ToolProposal,
+)
+from tests.e2e.conftest import ACK_WAIT_S, Stack
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+ALICE = RuntimeContext(
+    principal="alice", tenant="acme",
+    capabilities=frozenset({"documents:search", "documents:read", "email:send"}),
+)
+
+
+def _proposal(tool: str, arguments: dict, operation_id: str) -> ToolProposal:
+    return ToolProposal(proposal_id=f"p-{operation_id}", conversation_id="c-1",
+                        requested_by_user_id="alice", tool_name=tool, arguments=arguments,
+                        operation_id=operation_id)
+
+
+async def _host(stack: Stack, name: str = "h1") -> AgentHostClient:
+    nc = await connect_as(stack.server.url, stack.credentials.host(name))
+    return AgentHostClient(nc, name, timeout=5)
+
+
+async def test_propose_execute_and_deliver_the_outcome(stack: Stack) -> None:
+    executor = stack.start_executor("search_documents")
+    host = await _host(stack)
+    try:
+        reply = await host.propose(
+            _proposal("search_documents", {"query": "refund policy"}, "op-e2e-1"), ALICE
+        )
+        assert (reply.operation_id, reply.state, reply.created) == ("op-e2e-1", "ready", True)
+        assert reply.decision is not None
+        assert reply.decision.outcome.value == "ready"
+        status = await host.outcome("op-e2e-1", timeout=30)
+    finally:
+        await host.close()
+    assert status.state == "succeeded", stack.log("exec-search_documents-0.log")
+    assert status.result is not None
+    assert status.result.ok
+    assert status.result.provenance.trust == "untrusted"
+    assert status.result.provenance.tool == "search_documents"
+    assert status.result.provenance.executor == "search_documents-0"
+    assert executor.poll() is None  # a separate, still running process
+
+
+async def test_schema_invalid_proposal_gets_repair_feedback(stack: Stack) -> None:
+    host = await _host(stack)
+    try:
+        reply = await host.propose(
+            _proposal("search_documents", {"query": "x", "top_k": "10"}, "op-bad"), ALICE
+        )
+    finally:
+        await host.close()
+    assert reply.state == "rejected"
+    assert reply.decision is not None
+    assert {(i.code, i.path) for i in reply.decision.issues} == {
+        ("length", "/query"), ("wrong_type", "/top_k")
+    }
+    assert reply.decision.repairable
+
+
+async def test_killed_executor_converges_on_one_side_effect(stack: Stack) -> None:
+    crashing = stack.start_executor("send_customer_email", OPLEDGER_TEST_CRASH_AFTER_SEND="1")
+    host = await _host(stack)
+    ledger = stack.ledger()
+    try:
+        arguments = {"recipient_ids": ["cus-0001"], "template": "support_received",
+                     "variables": {"ticket_id": "TCK-42"}}
+        reply = await host.propose(_proposal("send_customer_email", arguments, "op-mail"), ALICE)
+        assert reply.state == "awaiting_approval"
+        assert reply.decision is not None
+        ledger.approve("op-mail", approver="lead", approver_roles=["support_lead"],
+                       proposal_hash=reply.decision.proposal_hash or "")
+        # The first executor sends, then dies before publishing or acking.
+        for _ in range(100):
+            if crashing.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert crashing.returncode == 137, (
+            stack.log("exec-send_customer_email-0.log"),
+            [(type(e).__name__, getattr(e, "reason", "")) for e in ledger.history("op-mail")],
+            count_sends(stack.email_db),
+        )
+        assert count_sends(stack.email_db, "op-mail") == 1
+        # A fresh executor gets the redelivered item; the ledger has it reconcile.
+        stack.start_executor("send_customer_email")
+        status = await host.outcome("op-mail", timeout=60)
+    finally:
+        await host.close()
+    assert status.state == "succeeded", stack.log("service.log")
+    assert count_sends(stack.email_db, "op-mail") == 1
+    history = [type(e).__name__ for e in ledger.history("op-mail")]
+    assert "Reconciled" in history
+    assert history.count("LeaseClaimed") == 1
+    assert ACK_WAIT_S < 5
+
+
+async def test_the_same_result_twice_is_one_outcome(stack: Stack) -> None:
+    stack.start_executor("search_documents")
+    host = await _host(stack)
+    ledger = stack.ledger()
+    try:
+        await host.propose(_proposal("search_documents", {"query": "refunds"}, "op-dup"), ALICE)
+        status = await host.outcome("op-dup", timeout=30)
+        assert status.result is not None
+        events = len(ledger.history("op-dup"))
+        executor = await connect_as(stack.server.url,
+                                    stack.credentials.executor("search_documents"))
+        try:
+            js = executor.jetstream()
+            for suffix in ("a", "b"):  # distinct message IDs: JetStream keeps both
+                await js.publish(Subjects.result("search_documents"),
+                                 status.result.model_dump_json().encode(),
+                                 headers={"Nats-Msg-Id": f"replay-{suffix}"})
+        finally:
+            await executor.close()
+        await asyncio.sleep(1.5)
+        again = await host.status("op-dup")
+    finally:
+        await host.close()
+    assert again.state == "succeeded"
+    assert len(ledger.history("op-dup")) == events
+    assert again.outcome == status.outcome
+
+
+async def test_raw_nats_host_without_the_sdk(stack: Stack) -> None:
+    """A host in another language: plain JSON on the documented subjects."""
+    envelope_schema = orjson.loads((SCHEMA_DIR / "proposal-envelope.schema.json").read_bytes())
+    reply_schema = orjson.loads((SCHEMA_DIR / "propose-reply.schema.json").read_bytes())
+    message = {
+        "proposal": {
+            "proposal_id": "p-raw", "conversation_id": "c-raw", "requested_by_user_id": "bob",
+            "tool_name": "search_documents", "arguments": '{"query": "holiday policy"}',
+            "operation_id": "op-raw-1",
+        },
+        "context": {"principal": "bob", "tenant": "acme",
+                    "capabilities": ["documents:search"]},
+    }
+    Draft202012Validator(envelope_schema).validate(message)
+    nc = await connect_as(stack.server.url, stack.credentials.host("h2"))
+    try:
+        raw = await nc.request("ops.propose.h2", orjson.dumps(message), timeout=5)
+        answer = orjson.loads(raw.data)
+        Draft202012Validator(reply_schema).validate(answer)
+        assert (answer["operation_id"], answer["state"]) == ("op-raw-1", "ready")
+        broken = await nc.request("ops.propose.h2", b'{"proposal": 1}', timeout=5)
+        error = orjson.loads(broken.data)["error"]
+        assert (error["code"], error["category"]) == ("INVALID_MESSAGE", "INVALID_INPUT")
+        # Another host's operation is invisible.
+        status = await nc.request("ops.status.h2", b'{"operation_id": "op-raw-1"}', timeout=5)
+        assert OperationStatus.model_validate_json(status.data).state == "ready"
+    finally:
+        await nc.close()
+    other = await _host(stack, "h1")
+    try:
+        with pytest.raises(Exception, match="no such operation"):
+            await other.status("op-raw-1")
+    finally:
+        await other.close()
+    assert ProposeReply.model_validate(answer).decision is not None
