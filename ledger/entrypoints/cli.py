@@ -39,6 +39,7 @@ from ledger.config import Settings
 from ledger.domain.errors import OperationNotFound
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
+from ledger.entrypoints.processes import PROCESS_COMMANDS, run_process_command
 from ledger.service import Ledger
 from schemas import ErrorCategory, OpledgerError
 
@@ -106,6 +107,9 @@ Command = Callable[[Ledger, argparse.Namespace], Output]
 
 def main(argv: list[str] | None = None) -> int:
     """Run one `opledger` command; returns the exit code."""
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in PROCESS_COMMANDS:
+        return run_process_command(words)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

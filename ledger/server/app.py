@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from ledger.nats.security import reply_allowed
 from ledger.server.gateway import LedgerGateway
+from ledger.server.metrics import LedgerMetrics
 from ledger.server.relay import Relay
 from ledger.service import Ledger
 from schemas import (
@@ -62,6 +63,9 @@ class ServiceOptions:
     """Declares streams and consumers at start (the service owns the topology)."""
     allowed_tenants: dict[str, frozenset[str]] | None = None
     """Host → tenants it may act for; None trusts every host for every tenant."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on 127.0.0.1 at this port."""
+    metrics_addr: str = "127.0.0.1"
 
 
 def _broker_options(connect_options: dict[str, Any]) -> dict[str, Any]:
@@ -271,7 +275,11 @@ class LedgerService:
         js = nc.jetstream()
         if self.options.declare is not None:
             await self.options.declare(js)
-        self.relay = Relay(self.gateway, nc)
+        metrics = LedgerMetrics()
+        if self.options.metrics_port is not None:
+            metrics.serve(self.options.metrics_port, self.options.metrics_addr)
+        self.metrics = metrics
+        self.relay = Relay(self.gateway, nc, metrics=metrics)
         self.relay.start()
         await self.broker.start()
         loop = asyncio.get_running_loop()

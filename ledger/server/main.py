@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-deliver", type=int, default=10)
     parser.add_argument("--lease-grace", type=float, default=5.0, help="seconds")
     parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here")
+    parser.add_argument("--metrics-addr", default="127.0.0.1")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -111,7 +113,14 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
         )
 
     service = LedgerService(
-        ledger, ServiceOptions(nats_url=args.nats_url, connect_options=connect, declare=declare)
+        ledger,
+        ServiceOptions(
+            nats_url=args.nats_url,
+            connect_options=connect,
+            declare=declare,
+            metrics_port=args.metrics_port,
+            metrics_addr=args.metrics_addr,
+        ),
     )
     try:
         asyncio.run(_serve(service))

@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 
 from ledger.audit.export import feed_record
 from ledger.server.gateway import LedgerGateway
+from ledger.server.metrics import LedgerMetrics
 from ledger.service import FINAL_STATES, Ledger
 from schemas import Subjects, WorkItem
 
@@ -62,6 +63,7 @@ class Relay:
         *,
         batch: int = 500,
         lease: timedelta = timedelta(seconds=10),
+        metrics: LedgerMetrics | None = None,
     ) -> None:
         self._gateway = gateway
         self._ledger: Ledger = gateway.ledger
@@ -69,6 +71,7 @@ class Relay:
         self._js: JetStreamContext = nc.jetstream()
         self._batch = batch
         self._lease = lease
+        self._metrics = metrics
         self._owner = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._task: asyncio.Task[None] | None = None
         self._ledger.db.execute(
@@ -154,6 +157,8 @@ class Relay:
         contract = self._ledger.checker.catalog.get(view.tool)
         record = feed_record(row, contract.sensitive_arguments if contract else ())
         kind = record["type"]
+        if self._metrics is not None:
+            self._metrics.observe(record, view.tool)
         messages = [
             _Message(
                 Subjects.feed(view.tool, kind),
