@@ -150,9 +150,7 @@ class Redacted:
 
 # --------------------------------------------------------------------- rules
 
-_CONTROL = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b\u2060\ufeff\u202a-\u202e\u2066-\u2069]"
-)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b\u2060\ufeff\u202a-\u202e\u2066-\u2069]")
 
 _TRACE_MARKERS = re.compile(
     r"Traceback \(most recent call last\)|^goroutine \d+ \[[a-z ]+\]:", re.MULTILINE
@@ -167,9 +165,7 @@ _TRACE_FRAME = re.compile(
 )
 
 _ACTIVE_ELEMENTS = "script|style|iframe|object|embed|applet|noscript|template"
-_HTML_BLOCK = re.compile(
-    rf"<({_ACTIVE_ELEMENTS})\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL
-)
+_HTML_BLOCK = re.compile(rf"<({_ACTIVE_ELEMENTS})\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
 # An opening tag without its end: the browser treats the rest as script.
 _HTML_OPEN = re.compile(rf"<(?:{_ACTIVE_ELEMENTS})\b.*", re.IGNORECASE | re.DOTALL)
 _HTML_CLOSE = re.compile(rf"</(?:{_ACTIVE_ELEMENTS})\s*>", re.IGNORECASE)
@@ -273,6 +269,10 @@ def redact_text(text: str, policy: RedactionPolicy = DEFAULT_POLICY) -> tuple[st
 # ----------------------------------------------------------------- traversal
 
 
+def _blank_or_placeholder(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value in ("", REDACTED))
+
+
 def redact(value: Any, policy: RedactionPolicy = DEFAULT_POLICY) -> Redacted:
     """A redacted deep copy of a JSON value and the pointers of every changed value.
 
@@ -309,7 +309,8 @@ def _walk(
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"object keys must be strings, got {type(key).__name__}")
-            if policy.is_sensitive_key(key) and item not in (None, ""):
+            # Nothing to hide in an empty value; an earlier placeholder stays as it is.
+            if policy.is_sensitive_key(key) and not _blank_or_placeholder(item):
                 pointers.append(json_pointer((*path, key)))
                 out[key] = REDACTED
                 continue

@@ -26,7 +26,7 @@ from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.results import ResultStore
 from ledger.adapters.sql import SqlDatabase
 from ledger.audit.export import export_jsonl
-from ledger.audit.parallel import DEFAULT_CHUNK_SIZE, LedgerTables, verify_stored
+from ledger.audit.parallel import LedgerTables, verify_stored
 from ledger.audit.verify import StoredRow, VerificationReport
 from ledger.budget import LedgerBudgetCounter
 from ledger.domain.errors import (
@@ -722,13 +722,14 @@ class Ledger:
         *,
         expected_head: str | None = None,
         workers: int | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
     ) -> VerificationReport:
         """Check every event's hash chain and the sealed global digest.
 
-        The table is read and checked `chunk_size` positions at a time, by
-        `workers` processes (None: one per CPU for a large ledger, else just
-        this one; 1: this process only). The report does not depend on either.
+        The tables are read straight from SQL, `chunk_size` positions at a time
+        (None: chosen for `workers`), by `workers` processes (None: one per CPU
+        for a large ledger, else this one alone; 1: this one alone). The report
+        does not depend on either: see `ledger.audit.parallel.verify_stored`.
         """
         return verify_stored(
             LedgerTables(self.db.storage, self.events_table),

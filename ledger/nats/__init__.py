@@ -6,11 +6,13 @@ Public surface:
 - `generate_credentials`, `load_credentials`, `CredentialSet`, `Identity`, `Role`,
   `permissions_for`, `connect_options`, `reply_allowed`, `write_server_config`:
   one NKey per identity, and exactly the subjects each role may use.
+- `connect_as`, `flush_all`: connect as an identity; a flush that orders after prior commands.
 - `declare_topology`: the streams and durable pull consumers (ledger identity only).
 - The errors, all `schemas.OpledgerError`s.
 """
 
 from ledger.nats._conf import ClusterOptions
+from ledger.nats.client import connect_as, flush_all
 from ledger.nats.errors import (
     CredentialsError,
     NatsServerNotFound,
@@ -50,9 +52,11 @@ __all__ = [
     "Role",
     "TopologyError",
     "authorization_config",
+    "connect_as",
     "connect_options",
     "declare_topology",
     "find_nats_server",
+    "flush_all",
     "free_port",
     "generate_credentials",
     "load_credentials",

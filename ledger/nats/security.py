@@ -196,7 +196,10 @@ def new_user_seed() -> bytes:
 
 
 def _public_key(seed: bytes) -> str:
-    keypair = nkeys.from_seed(bytearray(seed))
+    try:
+        keypair = nkeys.from_seed(bytearray(seed))
+    except nkeys.NkeysError as exc:
+        raise CredentialsError(f"not a valid NKey seed ({type(exc).__name__})") from exc
     try:
         return str(keypair.public_key.decode())
     finally:

@@ -195,21 +195,25 @@ class NatsServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.start_timeout_s
-        for attempt in range(1, _BIND_ATTEMPTS + 1):
-            self._launch(binary)
-            outcome = self._wait_serving(deadline)
-            if outcome == "ready":
-                break
+        try:
+            for attempt in range(1, _BIND_ATTEMPTS + 1):
+                self._launch(binary)
+                outcome = self._wait_serving(deadline)
+                if outcome == "ready":
+                    break
+                message = self._failure_message(outcome)  # read the log before reaping
+                self._reap()
+                if outcome == "collision" and attempt < _BIND_ATTEMPTS and self._ports_are_ours():
+                    continue  # another process took a port we picked: pick again
+                raise NatsServerStartError(message, log=str(self.log_path))
+            if wait_healthy is None:
+                wait_healthy = self.cluster is None and self._monitor
+            if wait_healthy:
+                self.wait_healthy(max(0.5, deadline - time.monotonic()))
+        except BaseException:
+            # Whatever went wrong (including KeyboardInterrupt), leave no process behind.
             self._reap()
-            if outcome == "collision" and attempt < _BIND_ATTEMPTS and self._ports_are_ours():
-                continue  # another process took a port we picked: pick again
-            raise NatsServerStartError(self._failure_message(outcome), log=str(self.log_path))
-        else:  # pragma: no cover - the loop always breaks or raises
-            raise NatsServerStartError("nats-server could not bind its ports")
-        if wait_healthy is None:
-            wait_healthy = self.cluster is None and self._monitor
-        if wait_healthy:
-            self.wait_healthy(max(0.5, deadline - time.monotonic()))
+            raise
         return self
 
     def wait_healthy(self, timeout_s: float = 10.0) -> None:
@@ -221,8 +225,9 @@ class NatsServer:
         last = "no answer"
         while time.monotonic() < deadline:
             if not self.running:
+                message = self._failure_message("exited")
                 self._reap()
-                raise NatsServerStartError(self._failure_message("exited"))
+                raise NatsServerStartError(message)
             try:
                 with urllib.request.urlopen(f"{url}/healthz", timeout=0.5) as response:
                     if response.status == 200:
