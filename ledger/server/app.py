@@ -54,6 +54,7 @@ class ServiceOptions:
     """How the service connects and behaves."""
 
     nats_url: str
+    """One URL, or several separated by commas (the nodes of a cluster)."""
     connect_options: dict[str, Any] = field(default_factory=dict)
     """Extra `nats.connect` options: credentials and inbox prefix."""
     queue_group: str = "opledger-ledger"
@@ -101,7 +102,8 @@ class LedgerService:
     def __init__(self, ledger: Ledger, options: ServiceOptions) -> None:
         self.ledger = ledger
         self.options = options
-        self.broker = NatsBroker(options.nats_url, **_broker_options(options.connect_options))
+        servers = [url.strip() for url in options.nats_url.split(",") if url.strip()]
+        self.broker = NatsBroker(servers, **_broker_options(options.connect_options))
         self.app = FastStream(self.broker)
         self.gateway: LedgerGateway | None = None
         self.relay: Relay | None = None

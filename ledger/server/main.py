@@ -127,6 +127,10 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
     except OpledgerError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
+    except Exception as exc:  # e.g. NATS unreachable: one line for people, details in the log
+        _log.debug("the ledger service stopped", exc_info=True)
+        print(f"error: the ledger service stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     finally:
         ledger.close()
     return 0

@@ -1,0 +1,177 @@
+"""The production topology, locally: two ledger services on one PostgreSQL, and a
+three-node NATS cluster with replicated streams that survives losing a node."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import nats
+import pytest
+
+from ledger import StorageConfig, build_ledger
+from ledger.client import AgentHostClient
+from ledger.nats import ClusterOptions, NatsServer, connect_as, generate_credentials
+from ledger.nats.supervisor import free_port
+from policy.catalog import CATALOG_DIR, sample_plugins
+from schemas import WORK_STREAM, RuntimeContext, ToolProposal
+from tests.conftest import drop_schema, postgres_storage_or_skip
+from tests.e2e.conftest import SAMPLE_TOOLS, _stop
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(240)]
+
+TOOL = "search_documents"
+
+
+def _service(home: Path, name: str, *, database: str, schema: str, url: str, seed: Path,
+             replicas: int = 1) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "ledger.server", "--database", database,
+            "--nats-url", url, "--creds", str(seed), "--tools", TOOL,
+            "--ack-wait", "5", "--lease-grace", "2", "--replicas", str(replicas)]
+    if schema:
+        argv += ["--postgres-schema", schema]
+    log = (home / f"{name}.log").open("wb")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _executor(home: Path, name: str, *, url: str, seed: Path) -> subprocess.Popen[bytes]:
+    log = (home / f"{name}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "executors", "run", SAMPLE_TOOLS[TOOL], "--creds", str(seed),
+         "--nats-url", url, "--contracts", str(CATALOG_DIR), "--name", name, "--batch", "16"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+
+
+def _proposal(n: int) -> tuple[ToolProposal, RuntimeContext]:
+    # Many users: the contract's per-user budget (30 a minute) must not interfere.
+    user = f"user-{n % 60}"
+    return (
+        ToolProposal(proposal_id=f"p-{n}", conversation_id="c", requested_by_user_id=user,
+                     tool_name=TOOL, arguments={"query": f"policy {n}"},
+                     operation_id=f"op-{n:04d}"),
+        RuntimeContext(principal=user, tenant="acme",
+                       capabilities=frozenset({"documents:search"})),
+    )
+
+
+async def _run_operations(url: str, host_seed_identity: object, count: int) -> list[str]:
+    nc = await connect_as(url, host_seed_identity)  # type: ignore[arg-type]
+    host = AgentHostClient(nc, "h1", timeout=10)
+    try:
+        limit = asyncio.Semaphore(50)
+
+        async def one(n: int) -> str:
+            async with limit:
+                proposal, context = _proposal(n)
+                await host.propose(proposal, context, attempts=5)
+                return (await host.outcome(proposal.operation_id or "", timeout=120)).state
+
+        return await asyncio.gather(*(one(n) for n in range(count)))
+    finally:
+        await host.close()
+
+
+async def _wait_ready(url: str, identity: object, seconds: float = 30) -> None:
+    from schemas import StatusRequest, Subjects
+
+    for _ in range(int(seconds * 5)):
+        try:
+            nc = await connect_as(url, identity, allow_reconnect=False)  # type: ignore[arg-type]
+            try:
+                await nc.request(Subjects.status("h1"),
+                                 StatusRequest(operation_id="probe").model_dump_json().encode(),
+                                 timeout=1)
+                return
+            finally:
+                await nc.close()
+        except Exception:
+            await asyncio.sleep(0.2)
+    raise AssertionError("no ledger service answered")
+
+
+async def test_two_ledger_services_on_one_postgres_neither_double_dispatch_nor_record(
+    tmp_path: Path,
+) -> None:
+    storage = postgres_storage_or_skip()
+    credentials = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[TOOL])
+    server = NatsServer(tmp_path / "nats", authorization=credentials.authorization_config)
+    server.start()
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in ("ledger-a", "ledger-b"):
+            processes.append(_service(
+                tmp_path, name, database=storage.postgres_dsn or "",
+                schema=storage.postgres_schema, url=server.url,
+                seed=credentials.ledger.seed_path,
+            ))
+        await _wait_ready(server.url, credentials.host("h1"))
+        for name in ("exec-1", "exec-2"):
+            processes.append(_executor(tmp_path, name, url=server.url,
+                                       seed=credentials.executor(TOOL).seed_path))
+        states = await _run_operations(server.url, credentials.host("h1"), 300)
+        assert Counter(states) == {"succeeded": 300}, (tmp_path / "ledger-a.log").read_text()
+        admin = await nats.connect(server.url, nkeys_seed=str(credentials.ledger.seed_path),
+                                   inbox_prefix=credentials.ledger.inbox_prefix)
+        try:
+            work = await admin.jetstream().stream_info(WORK_STREAM)
+        finally:
+            await admin.close()
+        # One work item per operation ever entered the queue: no double dispatch.
+        assert work.state.last_seq == 300
+    finally:
+        for process in reversed(processes):
+            _stop(process)
+        server.stop()
+    resolver, rules = sample_plugins()
+    ledger = build_ledger(storage, resolver=resolver, rules=rules)
+    try:
+        kinds = Counter(type(e).__name__ for n in range(300) for e in ledger.history(f"op-{n:04d}"))
+        assert kinds["Proposed"] == kinds["LeaseClaimed"] == kinds["Succeeded"] == 300
+        assert kinds["StaleResultRecorded"] == kinds["ConflictingOutcomeRecorded"] == 0
+        ledger.refresh()
+        report = ledger.verify()
+        assert report.ok, [f.describe() for f in report.findings[:5]]
+        assert report.events_checked == 1500
+    finally:
+        ledger.close()
+        drop_schema(storage)
+
+
+async def test_three_node_cluster_keeps_working_with_a_node_down(tmp_path: Path) -> None:
+    credentials = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[TOOL])
+    cluster_ports = [free_port() for _ in range(3)]
+    routes = tuple(f"nats-route://127.0.0.1:{port}" for port in cluster_ports)
+    nodes = [
+        NatsServer(tmp_path / f"n{i}", server_name=f"n{i}",
+                   authorization=credentials.authorization_config,
+                   cluster=ClusterOptions(name="opledger", port=port, routes=routes))
+        for i, port in enumerate(cluster_ports)
+    ]
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_healthy(timeout_s=20)
+        urls = ",".join(node.url for node in nodes)
+        processes.append(_service(tmp_path, "ledger", database=str(tmp_path / "ledger.db"),
+                                  schema="", url=urls, seed=credentials.ledger.seed_path,
+                                  replicas=3))
+        await _wait_ready(nodes[0].url, credentials.host("h1"))
+        processes.append(_executor(tmp_path, "exec", url=urls,
+                                   seed=credentials.executor(TOOL).seed_path))
+        assert await _run_operations(nodes[1].url, credentials.host("h1"), 5) == ["succeeded"] * 5
+        nodes[2].stop()  # lose one of three: R3 streams keep a quorum
+        states = await asyncio.wait_for(
+            _run_operations(nodes[0].url, credentials.host("h1"), 10), timeout=120
+        )
+        assert states == ["succeeded"] * 10, (tmp_path / "ledger.log").read_text()[-3000:]
+    finally:
+        for process in reversed(processes):
+            _stop(process)
+        for node in nodes:
+            node.stop()
