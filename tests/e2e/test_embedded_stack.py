@@ -1,0 +1,108 @@
+"""`opledger up`'s stack: where things are, metrics, secrets only where they belong,
+commands that find it without flags, and a clean stop; `opledger demo` as a smoke test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ledger.client import AgentHostClient
+from ledger.embedded import DEMO_HOST, EmbeddedStack, running_stack
+from ledger.nats import connect_as, load_credentials
+from schemas import RuntimeContext, ToolProposal
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(
+        f"/proc/{pid}/status").read_text().lower()
+
+
+async def _propose_one(url: str, creds_dir: Path) -> None:
+    nc = await connect_as(url, load_credentials(creds_dir).host(DEMO_HOST))
+    host = AgentHostClient(nc, DEMO_HOST)
+    try:
+        await host.propose(
+            ToolProposal(proposal_id="p", conversation_id="c", requested_by_user_id="alice",
+                         tool_name="search_documents", arguments={"query": "refunds"},
+                         operation_id="op-up-1"),
+            RuntimeContext(principal="alice", tenant="acme",
+                           capabilities=frozenset({"documents:search"})),
+        )
+        assert (await host.outcome("op-up-1", timeout=30)).state == "succeeded"
+    finally:
+        await host.close()
+
+
+def test_embedded_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPLEDGER_SECRET_SUPERVISOR_ONLY", "must-not-leak")
+    home = tmp_path / ".opledger"
+    stack = EmbeddedStack(home)
+    info = stack.start()
+    pids = dict(info.pids)
+    try:
+        assert running_stack(home) == info
+        assert not info.nats_url.endswith(":4222")
+        assert set(pids) == {"ledger"} | {f"executor-{t}" for t in stack.executors}
+        # Secrets: the supervisor's never leak; only the e-mail executor gets its own.
+        for name, pid in pids.items():
+            env = _environ(pid)
+            assert "OPLEDGER_SECRET_SUPERVISOR_ONLY" not in env, name
+        ledger_cmd = Path(f"/proc/{pids['ledger']}/cmdline").read_bytes().split(b"\0")
+        assert b"--secrets" not in ledger_cmd
+        email_cmd = Path(f"/proc/{pids['executor-send_customer_email']}/cmdline").read_bytes()
+        assert b"--secrets" in email_cmd
+        search_cmd = Path(f"/proc/{pids['executor-search_documents']}/cmdline").read_bytes()
+        assert b"--secrets" not in search_cmd
+        # Metrics, named as in the seed, without operation or user labels.
+        with urllib.request.urlopen(info.metrics["ledger"], timeout=5) as response:
+            text = response.read().decode()
+        assert "tool_proposals_total" in text
+        assert "tool_executions_total" in text
+        # `opledger ops list` finds the stack's ledger from the default home, no flags.
+        asyncio.run(_propose_one(info.nats_url, Path(info.creds_dir)))
+        listed = subprocess.run(
+            [sys.executable, "-m", "ledger.entrypoints", "ops", "list"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.splitlines()[0].split()[:2] == ["OPERATION", "STATE"]
+        assert listed.stdout.splitlines()[1].split()[:3] == [
+            "op-up-1", "succeeded", "search_documents@2.1.0"
+        ]
+    finally:
+        stack.stop()
+    assert running_stack(home) is None
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert stack.server is not None
+    assert not stack.server.running
+
+
+def test_demo_runs_every_step_as_stated(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "ledger.entrypoints", "demo", "--home", str(tmp_path / "home")],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "all steps behaved as stated" in run.stdout
+    table = run.stdout.split("step ")[-1]
+    for step in ("auto-approved read", "repair loop", "cross-tenant attempt", "approved e-mail",
+                 "forbidden delete", "killed executor", "audit verify"):
+        assert step in table
+    assert "✘" not in table
