@@ -12,7 +12,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from ledger import StorageConfig, build_ledger
+from ledger import build_ledger
 from ledger.client import AgentHostClient
 from ledger.nats import ClusterOptions, NatsServer, connect_as, generate_credentials
 from ledger.nats.supervisor import free_port
