@@ -1,6 +1,6 @@
 """What a tool implementation sees: its definition, its context, and the errors it may raise.
 
-A tool is three plain functions around one side effect:
+A tool is up to four plain functions around one side effect:
 
 - `run(arguments, context) -> dict`: do the work, return output matching the
   contract's output schema. Raise `ToolError` for expected failures.
@@ -9,8 +9,11 @@ A tool is three plain functions around one side effect:
   before execution"): time passed since the check and the approval.
 - `reconcile(operation_id, context) -> Reconciliation` (optional): after a lost
   attempt, ask the provider what happened under this idempotency key.
+- `check_postconditions(arguments, output, context) -> list[str]` (optional):
+  verify the effect is what was asked for; any problem makes the result
+  untrusted (failed for a read, outcome unknown for a write).
 
-Each may be a plain or an `async` function. Plain functions run in a worker
+Each may be a plain or an `async` function. Plain functions run in a daemon
 thread so that a blocking provider call does not stop the progress heartbeat.
 
     @tool("send_customer_email", version="1.0.0", required_secrets=("email_provider_db",))

@@ -81,7 +81,8 @@ class Finding:
         """One line for people."""
         where = f"#{self.notification_id} " if self.notification_id is not None else ""
         version = f" v{self.version}" if self.version is not None else ""
-        return f"{self.kind.value}: {where}{self.operation_id}{version}: {self.detail}"
+        subject = f"{where}{self.operation_id}{version}".strip()
+        return f"{self.kind.value}: {subject + ': ' if subject else ''}{self.detail}"
 
 
 @dataclass(slots=True)
@@ -286,8 +287,11 @@ def verify_chunk(
     # its first row, which `stitch` checks against the previous range.
     previous = first[4]
     for notification_id, operation, version, sealed_hash, running in islice(seal, 1, None):
-        # chain_digest(previous, sealed_hash), inlined: it runs once per event.
-        if sha256((previous + ":" + sealed_hash).encode()).hexdigest() != running:
+        try:  # chain_digest(previous, sealed_hash), inlined: it runs once per event
+            digest = sha256((previous + ":" + sealed_hash).encode()).hexdigest()
+        except TypeError:  # a value that is not text, in a tampered seal
+            digest = chain_digest(previous, sealed_hash)
+        if digest != running:
             findings.append(
                 (notification_id, _RUNNING, _rewritten_seal(notification_id, operation, version))
             )

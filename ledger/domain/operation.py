@@ -384,6 +384,15 @@ class Operation(BaseAggregate[str]):
                     "reconciled": True,
                 }
 
+    class ReconciliationInconclusive(Event):
+        """A reconciliation could not tell what happened; a human (or a later try) must."""
+
+        by: str
+        reason: str = ""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.OUTCOME_UNKNOWN
+
     class RetryScheduled(Event):
         """A failed attempt will be retried; the operation is ready again."""
 
@@ -736,6 +745,9 @@ class Operation(BaseAggregate[str]):
         if self.state in TERMINAL_STATES or self.state is S.READY:
             return self._late_result(fencing_token, executor, outcome, output_hash, now)
         if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING):
+            if outcome == "unknown":
+                self._trigger(self.ReconciliationInconclusive, now, by=executor, reason=reason)
+                return ResultDisposition.ACCEPTED
             self._reconcile(
                 outcome, executor, now, output_hash, result_ref, code, category, retryable
             )

@@ -128,6 +128,7 @@ _STATE_CHANGES: dict[str, _Setter] = {
     "Succeeded": {"state": "succeeded"},
     "Failed": {"state": "failed"},
     "ReconciliationStarted": {"state": "reconciling"},
+    "ReconciliationInconclusive": {"state": "outcome_unknown"},
     "Reconciled": {"state": lambda e: "succeeded" if e["outcome"] == "succeeded" else "failed"},
     "RetryScheduled": {"state": "ready"},
     "Cancelled": {"state": "cancelled", "approval_id": None},

@@ -262,7 +262,7 @@ def test_audit_verify_with_a_wrong_expected_head_exits_1(ledger_ids, capsys):
 
     assert code == 1
     assert "FAILED: 1 finding(s)" in out
-    assert "head_mismatch: : the sealed head digest is not the one expected" in out
+    assert "head_mismatch: the sealed head digest is not the one expected" in out
 
 
 def test_audit_verify_finds_a_tampered_event(ledger_ids, home, capsys):

@@ -239,3 +239,20 @@ def test_events_chain_by_hash_and_replay_detects_a_broken_link() -> None:
     with pytest.raises(TamperDetected):
         for event in [*events[:2], forged]:
             rebuilt = event.mutate(rebuilt)
+
+
+def test_an_inconclusive_reconciliation_is_recorded_and_leaves_the_outcome_unknown() -> None:
+    op = _executing()
+    op.expire_lease(T0 + timedelta(seconds=30))
+    op.start_reconciliation(by="exec-2", now=T0 + timedelta(seconds=31))
+    op.collect_events()
+    disposition = op.record_result(fencing_token=1, executor="exec-2", outcome="unknown",
+                                   reason="provider cannot tell", now=T0 + timedelta(seconds=32))
+    assert disposition is ResultDisposition.ACCEPTED
+    assert _types(op) == ["ReconciliationInconclusive"]
+    assert op.state is S.OUTCOME_UNKNOWN
+    # It can be reconciled again later, by a person or a new attempt.
+    op.start_reconciliation(by="operator", now=T0 + timedelta(seconds=60))
+    op.reconcile(outcome="failed", by="operator", code="NOT_APPLIED", category="TRANSIENT",
+                 retryable=True, now=T0 + timedelta(seconds=61))
+    assert op.state is S.FAILED

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import rfc8785
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas import CanonicalizationError, canonical_json, proposal_hash
+from schemas._canonical import _orjson_is_canonical
 
 
 def test_canonical_json_sorts_keys_and_normalizes_numbers() -> None:
@@ -49,12 +53,6 @@ def test_proposal_hash_changes_with_every_bound_field(change: dict[str, object])
 
 
 # The orjson fast path must agree with the reference implementation byte for byte.
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import rfc8785  # noqa: E402
-
-from schemas._canonical import _orjson_is_canonical  # noqa: E402
 
 _any_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=20)
 _json = st.recursive(

@@ -1,0 +1,92 @@
+"""Executors: the processes that run one tool each, under a lease from the ledger.
+
+An executor never decides whether a call may run: the ledger did that. It
+binds to its tool's durable pull consumer, asks the ledger for the lease on
+every work item, re-checks the target, runs the tool with the operation ID as
+idempotency key, validates and redacts the output, and publishes one result
+envelope per attempt. Each executor holds only its own tool's secrets.
+
+Public surface:
+
+- Writing a tool: `tool` / `Tool`, `ToolContext`, `ToolError`, `Precondition`,
+  `Reconciliation` and their verdict enums.
+- Running one: `ExecutorRunner` (NATS), `ItemProcessor` (the NATS-free core),
+  `run_executor_main` (`python -m executors run MODULE:TOOL ...`).
+- `redact` / `RedactionPolicy`: the output scrubbing, usable on its own.
+- `load_secrets`: an executor's secrets from a file and `OPLEDGER_SECRET_*`.
+"""
+
+from executors._api import (
+    CheckFn,
+    PostconditionFn,
+    Precondition,
+    PreconditionVerdict,
+    ReconcileFn,
+    ReconcileStatus,
+    Reconciliation,
+    RunFn,
+    Tool,
+    ToolContext,
+    ToolError,
+    tool,
+)
+from executors._main import build_connect_options, load_tool, run_executor_main
+from executors._metrics import ExecutorMetrics
+from executors._process import (
+    ExecutorConfigError,
+    HeartbeatFn,
+    ItemAction,
+    ItemDisposition,
+    ItemProcessor,
+    LeaseError,
+    LeaseFn,
+    result_msg_id,
+)
+from executors._redact import (
+    DEFAULT_POLICY,
+    REDACTED,
+    Redacted,
+    RedactionPolicy,
+    redact,
+    redact_text,
+)
+from executors._runner import ExecutorRunner, load_contract
+from executors._secrets import SECRET_ENV_PREFIX, SecretsError, load_secrets
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "REDACTED",
+    "SECRET_ENV_PREFIX",
+    "CheckFn",
+    "ExecutorConfigError",
+    "ExecutorMetrics",
+    "ExecutorRunner",
+    "HeartbeatFn",
+    "ItemAction",
+    "ItemDisposition",
+    "ItemProcessor",
+    "LeaseError",
+    "LeaseFn",
+    "PostconditionFn",
+    "Precondition",
+    "PreconditionVerdict",
+    "ReconcileFn",
+    "ReconcileStatus",
+    "Reconciliation",
+    "Redacted",
+    "RedactionPolicy",
+    "RunFn",
+    "SecretsError",
+    "Tool",
+    "ToolContext",
+    "ToolError",
+    "build_connect_options",
+    "load_contract",
+    "load_secrets",
+    "load_tool",
+    "redact",
+    "redact_text",
+    "result_msg_id",
+    "run_executor_main",
+    "tool",
+]

@@ -1,0 +1,7 @@
+"""`python -m executors run MODULE:TOOL ...`: see `executors._main`."""
+
+import sys
+
+from executors._main import run_executor_main
+
+raise SystemExit(run_executor_main(sys.argv[1:]))

@@ -1,0 +1,155 @@
+"""`python -m executors run MODULE:TOOL ...`: one executor process, until SIGTERM or SIGINT.
+
+    python -m executors run executors.samples.email:send_customer_email \\
+        --creds exec_send_customer_email.nk --nats-url nats://127.0.0.1:4222 \\
+        --contracts policy/catalog --secrets email-secrets.json --metrics-port 9301
+
+The first SIGTERM/SIGINT finishes the current item and stops; a second one
+abandons it (it is redelivered and the ledger decides). Exit codes: 0 after
+a stop, 2 for a configuration error (one line on stderr, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from executors._api import Tool
+from executors._runner import ExecutorRunner, load_contract
+from executors._secrets import load_secrets
+from schemas import OpledgerError, inbox_prefix
+
+__all__ = ["build_connect_options", "build_parser", "load_tool", "run_executor_main"]
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+
+_log = logging.getLogger("opledger.executor")
+
+
+def load_tool(spec: str) -> Tool:
+    """The `Tool` named by `package.module:attribute`."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"expected MODULE:TOOL, got {spec!r}")
+    module = importlib.import_module(module_name)
+    found = getattr(module, attribute, None)
+    if not isinstance(found, Tool):
+        raise ValueError(f"{spec} is not an executors.Tool")
+    return found
+
+
+def build_connect_options(
+    *,
+    nats_url: str,
+    tool_name: str,
+    executor: str,
+    creds: Path | None = None,
+) -> dict[str, Any]:
+    """Options for `nats.connect`: servers, identity, credentials, private inbox.
+
+    `creds` is an NKey seed file, or a JWT `.creds` file when it ends in `.creds`.
+    """
+    options: dict[str, Any] = {
+        "servers": [url.strip() for url in nats_url.split(",") if url.strip()],
+        "name": executor,
+        # Replies (lease answers, PubAcks, fetched messages) arrive under this
+        # prefix only: the executor's credentials never allow `_INBOX.>`.
+        "inbox_prefix": inbox_prefix("exec", tool_name),
+    }
+    if creds is not None:
+        key = "user_credentials" if creds.suffix == ".creds" else "nkeys_seed"
+        options[key] = str(creds)
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m executors`."""
+    parser = argparse.ArgumentParser(prog="python -m executors", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run one tool's executor until SIGTERM/SIGINT")
+    run.add_argument(
+        "tool", metavar="MODULE:TOOL", help="e.g. executors.samples.email:send_customer_email"
+    )
+    run.add_argument("--creds", type=Path, help="NKey seed file (or JWT .creds) of this executor")
+    run.add_argument("--nats-url", required=True, help="NATS server URL(s), comma-separated")
+    run.add_argument("--contracts", type=Path, required=True, help="contract directory")
+    run.add_argument("--secrets", type=Path, help="JSON file of this executor's secrets")
+    run.add_argument("--name", help="executor identity (default: <tool>-<host>-<pid>)")
+    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    run.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port")
+    run.add_argument("--batch", type=int, default=1, help="work items fetched at once")
+    run.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    return parser
+
+
+def _default_name(tool_name: str) -> str:
+    return f"{tool_name}-{socket.gethostname()}-{os.getpid()}"[:128]
+
+
+async def _serve(runner: ExecutorRunner) -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            _log.info("stopping after the current item (signal again to abandon it)")
+            runner.stop()
+        elif task is not None:
+            task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await runner.run()
+    except asyncio.CancelledError:
+        _log.warning("current item abandoned; it will be redelivered")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run_executor_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m executors` (and later `opledger executor run`)."""
+    args = build_parser().parse_args(argv)
+    try:
+        logging.basicConfig(
+            level=str(args.log_level).upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        tool = load_tool(args.tool)
+        contract = load_contract(args.contracts, tool.name, tool.version)
+        secrets = load_secrets(args.secrets)
+        name = args.name or _default_name(tool.name)
+        if args.creds is None:
+            _log.warning("no --creds: connecting without credentials (development only)")
+        runner = ExecutorRunner(
+            tool,
+            contract,
+            connect_options=build_connect_options(
+                nats_url=args.nats_url, tool_name=tool.name, executor=name, creds=args.creds
+            ),
+            executor=name,
+            batch_size=args.batch,
+            secrets=secrets,
+            metrics_port=args.metrics_port,
+            metrics_addr=args.metrics_addr,
+        )
+    except (OpledgerError, ValueError, ImportError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    asyncio.run(_serve(runner))
+    return EXIT_OK

@@ -1,0 +1,802 @@
+"""The executor's per-item core: work item → lease → action → result envelope.
+
+Nothing here touches NATS. `ItemProcessor.process` takes the raw work item,
+a function that asks the ledger for the lease and a function that tells the
+server "still working", and returns an `ItemDisposition`: what the runner
+must do with the message (ack, nak with a delay, terminate, or publish an
+envelope and then ack). Tests drive it with a fake lease responder.
+
+The rules (seed 001):
+
+- `done` → ack: the operation has its outcome; redeliveries converge here.
+- `busy` → nak until about when the other executor's lease runs out.
+- `execute` → re-check preconditions, run under the timeout, validate the
+  output against the contract, redact, publish. A failure is an error
+  envelope with a category, never a raw exception text. A timeout, a crash
+  or an untrustworthy output of a *write* tool is `outcome_unknown`: the
+  side effect may have happened, so only reconciliation may decide.
+- `reconcile` → ask the tool what happened under the idempotency key.
+- `refused` → terminate: the ledger will never lease it to this tool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from executors._api import (
+    Precondition,
+    PreconditionVerdict,
+    ReconcileStatus,
+    Reconciliation,
+    Tool,
+    ToolContext,
+    ToolError,
+)
+from executors._metrics import ExecutorMetrics
+from executors._redact import DEFAULT_POLICY, RedactionPolicy, redact, redact_text
+from policy import CompiledSchema, ToolContract
+from schemas import (
+    CheckStage,
+    ErrorCategory,
+    ErrorInfo,
+    LeaseDecision,
+    LeaseReply,
+    LeaseRequest,
+    OpledgerError,
+    Provenance,
+    ResultEnvelope,
+    WorkItem,
+)
+
+__all__ = [
+    "ExecutorConfigError",
+    "HeartbeatFn",
+    "ItemAction",
+    "ItemDisposition",
+    "ItemProcessor",
+    "LeaseError",
+    "LeaseFn",
+    "result_msg_id",
+]
+
+LeaseFn = Callable[[LeaseRequest], Awaitable[LeaseReply]]
+"""Ask the ledger for the lease on one operation (a core NATS request in production)."""
+HeartbeatFn = Callable[[], Awaitable[None]]
+"""Tell the server the item is still being worked on (`msg.in_progress()`)."""
+
+_MAX_MESSAGE_CHARS = 500
+_MAX_DETAIL_ISSUES = 5
+
+
+class LeaseError(Exception):
+    """The ledger answered a lease request with an error instead of a lease reply."""
+
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+
+
+class ExecutorConfigError(OpledgerError, ValueError):
+    """The executor cannot start: wrong contract, version or missing secrets."""
+
+    category = ErrorCategory.INVALID_INPUT
+    code = "INVALID_EXECUTOR_CONFIG"
+
+
+class ItemAction(StrEnum):
+    """What the runner does with the work item's message."""
+
+    ACK = "ack"
+    """Acknowledge: nothing (more) to do."""
+    NAK = "nak"
+    """Negative-acknowledge with `delay_s`: it comes back later."""
+    TERM = "term"
+    """Terminate: a malformed item that no redelivery can fix."""
+    PUBLISH = "publish"
+    """Publish `envelope` as a JetStream message, wait for the PubAck, then ack."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemDisposition:
+    """The core's verdict on one work item."""
+
+    action: ItemAction
+    reason: str
+    """A fixed word (a metric label value): done, busy, executed, reconciled, ..."""
+    envelope: ResultEnvelope | None = None
+    delay_s: float | None = None
+
+    @property
+    def msg_id(self) -> str | None:
+        """The `Nats-Msg-Id` header for the envelope, if there is one."""
+        return result_msg_id(self.envelope) if self.envelope is not None else None
+
+
+def result_msg_id(envelope: ResultEnvelope) -> str:
+    """`<operation_id>:<attempt>:<fencing_token>`: one attempt's result, deduplicated.
+
+    A republish of the same result after a lost PubAck carries the same ID,
+    so JetStream drops it within its duplicate window; the ledger makes any
+    later duplicate converge by the fencing token.
+    """
+    return f"{envelope.operation_id}:{envelope.provenance.attempt}:{envelope.fencing_token}"
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+async def _invoke(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a tool function: `async` ones directly, plain ones in a daemon thread.
+
+    A thread keeps a blocking provider call from starving the heartbeat. It
+    cannot be interrupted: after a timeout the call may still finish, which is
+    exactly why a timed-out write is reported as outcome unknown. The thread is
+    a daemon so that a call stuck forever cannot keep the process from exiting
+    on a stop (a worker of the default executor would be joined at exit).
+    """
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(outcome: Any, failed: bool) -> None:
+        if future.done():  # timed out or cancelled meanwhile: nobody waits any more
+            return
+        if failed:
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def target() -> None:
+        try:
+            outcome, failed = fn(*args), False
+        except BaseException as exc:
+            outcome, failed = exc, True
+        with contextlib.suppress(RuntimeError):  # the loop closed: the process is stopping
+            loop.call_soon_threadsafe(settle, outcome, failed)
+
+    threading.Thread(
+        target=target, name=f"tool-{getattr(fn, '__name__', 'call')}", daemon=True
+    ).start()
+    result = await future
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+class _Untrusted(Exception):
+    """The tool's output cannot be reported as it is (internal control flow)."""
+
+    def __init__(self, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = details
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """One leased attempt: what every envelope of it needs."""
+
+    operation_id: str
+    attempt: int
+    fencing_token: int
+    started: float
+    """`time.monotonic()` when the lease was granted."""
+
+
+class ItemProcessor:
+    """Turns work items into dispositions for one tool at one pinned contract version.
+
+    Knobs: `heartbeat_interval_s` between in-progress acks; `retry_delay_s`
+    before an item comes back after a problem on this side (no lease answer,
+    a failed lookup); `busy_delay_bounds_s` clamps the wait behind another
+    executor's lease; `give_up_after_deliveries` is when a failing provider
+    lookup becomes "unknown, reconcile by hand" and a refused lease request
+    is dropped; `max_result_bytes` bounds a published envelope.
+    """
+
+    def __init__(
+        self,
+        tool: Tool,
+        contract: ToolContract,
+        *,
+        executor: str,
+        secrets: Mapping[str, str] | None = None,
+        redaction: RedactionPolicy = DEFAULT_POLICY,
+        metrics: ExecutorMetrics | None = None,
+        clock: Callable[[], datetime] = _utcnow,
+        heartbeat_interval_s: float = 5.0,
+        retry_delay_s: float = 5.0,
+        busy_delay_bounds_s: tuple[float, float] = (1.0, 30.0),
+        give_up_after_deliveries: int = 5,
+        max_result_bytes: int = 512 * 1024,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if tool.name != contract.name:
+            raise ExecutorConfigError(
+                f"tool {tool.name!r} cannot run contract {contract.name!r}", tool=tool.name
+            )
+        if tool.version is not None and tool.version != contract.version:
+            raise ExecutorConfigError(
+                f"{tool.name} implements version {tool.version}, contract is {contract.version}",
+                tool=tool.name,
+            )
+        # Read-only: a tool must not change what the next attempt sees.
+        # Names are case-insensitive (as `load_secrets` and `ToolContext.secret` treat them).
+        self.secrets: Mapping[str, str] = MappingProxyType(
+            {name.lower(): value for name, value in (secrets or {}).items()}
+        )
+        missing = [name for name in tool.required_secrets if name not in self.secrets]
+        if missing:
+            raise ExecutorConfigError(
+                f"{tool.name} needs secrets {', '.join(missing)} "
+                "(--secrets FILE or OPLEDGER_SECRET_<NAME>)",
+                missing=missing,
+            )
+        self.tool = tool
+        self.contract = contract
+        self.executor = executor
+        # The executor's own secret values are scrubbed from anything it publishes.
+        self.redaction = redaction.with_secrets(self.secrets.values())
+        self.metrics = metrics if metrics is not None else ExecutorMetrics()
+        self._clock = clock
+        self._heartbeat_interval = heartbeat_interval_s
+        self._retry_delay = retry_delay_s
+        self._busy_bounds = busy_delay_bounds_s
+        self._give_up_after = give_up_after_deliveries
+        self._max_result_bytes = max_result_bytes
+        self._log = logger or logging.getLogger(f"opledger.executor.{tool.name}")
+        self._input = CompiledSchema(contract.input_schema, stage=CheckStage.STRUCTURE)
+        self._output = CompiledSchema(contract.output_schema, stage=CheckStage.STRUCTURE)
+        self._writes = contract.effect.writes
+
+    # ------------------------------------------------------------------ entry
+
+    async def process(
+        self,
+        payload: bytes,
+        *,
+        lease: LeaseFn,
+        heartbeat: HeartbeatFn,
+        delivery: int = 1,
+    ) -> ItemDisposition:
+        """Decide what to do with one work item; `delivery` is JetStream's delivery count."""
+        beat = asyncio.create_task(self._heartbeat(heartbeat))
+        try:
+            disposition = await self._process(payload, lease, delivery)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+        self.metrics.items.labels(tool=self.contract.name, action=disposition.reason).inc()
+        if disposition.action is ItemAction.NAK:
+            self.metrics.retries.labels(reason=disposition.reason).inc()
+        return disposition
+
+    async def _heartbeat(self, heartbeat: HeartbeatFn) -> None:
+        # In-progress acks reset the consumer's ack timer, so long work is not
+        # redelivered to a second executor while this one is still on it.
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            try:
+                await heartbeat()
+            except Exception:  # a lost heartbeat only risks a redelivery, which converges
+                self._log.warning("in-progress ack failed", exc_info=True)
+
+    async def _process(self, payload: bytes, lease: LeaseFn, delivery: int) -> ItemDisposition:
+        try:
+            item = WorkItem.model_validate_json(payload)
+        except ValidationError:
+            # Redelivering cannot repair it; the ledger still has the operation.
+            self._log.error("malformed work item (%d bytes) terminated", len(payload))
+            return ItemDisposition(ItemAction.TERM, "malformed")
+        if item.tool != self.contract.name:
+            self._log.error("work item of tool %r on %r's queue", item.tool, self.contract.name)
+            return ItemDisposition(ItemAction.TERM, "wrong_tool")
+        if item.tool_version != self.contract.version:
+            # Another executor may run that version (a rolling upgrade); never
+            # run a call checked against a contract this code does not implement.
+            return ItemDisposition(ItemAction.NAK, "version_mismatch", delay_s=self._retry_delay)
+        if delivery > 1:
+            self.metrics.retries.labels(reason="redelivered").inc()
+        try:
+            reply = await lease(
+                LeaseRequest(operation_id=item.operation_id, executor=self.executor)
+            )
+        except LeaseError as refusal:
+            return self._lease_error(item, refusal.error, delivery)
+        except Exception as exc:
+            self._log.warning("no lease answer for %s: %s", item.operation_id, type(exc).__name__)
+            return ItemDisposition(ItemAction.NAK, "lease_unavailable", delay_s=self._retry_delay)
+        if reply.operation_id != item.operation_id:
+            self._log.error("lease reply for %s answered %s", item.operation_id, reply.operation_id)
+            return ItemDisposition(ItemAction.NAK, "lease_invalid", delay_s=self._retry_delay)
+        if reply.decision is LeaseDecision.DONE:
+            return ItemDisposition(ItemAction.ACK, "done")
+        if reply.decision is LeaseDecision.BUSY:
+            return ItemDisposition(ItemAction.NAK, "busy", delay_s=self._busy_delay(reply))
+        if reply.decision is LeaseDecision.REFUSED:
+            # The ledger will never lease this operation to this tool's executors.
+            self._log.error("lease for %s refused: %s", item.operation_id, reply.reason)
+            return ItemDisposition(ItemAction.TERM, "refused")
+        if reply.decision not in (LeaseDecision.EXECUTE, LeaseDecision.RECONCILE):
+            # A decision this executor does not know: never guess "execute".
+            self._log.error("unknown lease decision %r for %s", reply.decision, item.operation_id)
+            return ItemDisposition(ItemAction.NAK, "lease_invalid", delay_s=self._retry_delay)
+        if reply.fencing_token is None or reply.attempt is None or reply.fencing_token < 1:
+            # Without a token no envelope can be filed; the lease runs out and
+            # the ledger moves on. Say so loudly: this is a ledger bug.
+            self._log.error("lease for %s has no fencing token or attempt", item.operation_id)
+            return ItemDisposition(ItemAction.NAK, "lease_invalid", delay_s=self._retry_delay)
+        attempt = _Attempt(item.operation_id, reply.attempt, reply.fencing_token, time.monotonic())
+        mismatch = self._lease_mismatch(reply)
+        if mismatch:
+            # We hold the lease and did nothing: "failed" is the truth.
+            self._log.error("lease for %s: %s", item.operation_id, mismatch)
+            return self._failure(
+                attempt,
+                ErrorInfo(code="LEASE_MISMATCH", category=ErrorCategory.INTERNAL, message=mismatch),
+                reason="lease_invalid",
+            )
+        if reply.decision is LeaseDecision.RECONCILE:
+            return await self._reconcile(attempt, reply, delivery)
+        return await self._execute(attempt, reply)
+
+    def _lease_error(self, item: WorkItem, error: ErrorInfo, delivery: int) -> ItemDisposition:
+        self._log.warning(
+            "lease for %s answered %s (%s)", item.operation_id, error.code, error.category.value
+        )
+        transient = error.category in (ErrorCategory.TRANSIENT, ErrorCategory.INTERNAL)
+        if transient or delivery < self._give_up_after:
+            # A ledger that just started, or a replica behind, may know it next time.
+            return ItemDisposition(ItemAction.NAK, "lease_error", delay_s=self._retry_delay)
+        return ItemDisposition(ItemAction.TERM, "lease_refused")
+
+    def _busy_delay(self, reply: LeaseReply) -> float:
+        low, high = self._busy_bounds
+        if reply.lease_expires_at is None:
+            return min(low * 5, high)
+        # Until shortly after the other lease runs out: by then its holder has
+        # reported (the ledger answers `done`) or the ledger asks to reconcile.
+        wait = (reply.lease_expires_at - self._clock()).total_seconds() + 0.5
+        return min(max(wait, low), high)
+
+    def _lease_mismatch(self, reply: LeaseReply) -> str:
+        if reply.tool is not None and reply.tool != self.contract.name:
+            return f"lease names tool {reply.tool!r}"
+        if reply.tool_version is not None and reply.tool_version != self.contract.version:
+            return (
+                f"lease names version {reply.tool_version}, executor runs {self.contract.version}"
+            )
+        if reply.decision is LeaseDecision.EXECUTE and reply.arguments is None:
+            return "execute lease without arguments"
+        return ""
+
+    def _context(self, attempt: _Attempt, timeout_s: float) -> ToolContext:
+        return ToolContext(
+            operation_id=attempt.operation_id,
+            attempt=attempt.attempt,
+            deadline=self._clock() + timedelta(seconds=timeout_s),
+            fencing_token=attempt.fencing_token,
+            secrets=self.secrets,
+            logger=logging.LoggerAdapter(
+                self._log,
+                {"operation_id": attempt.operation_id, "attempt": attempt.attempt},
+            ),
+            tool=self.contract.name,
+            tool_version=self.contract.version,
+            executor=self.executor,
+        )
+
+    # ---------------------------------------------------------------- execute
+
+    async def _execute(self, attempt: _Attempt, reply: LeaseReply) -> ItemDisposition:
+        timeout_s = (reply.timeout_ms or self.contract.timeout_ms) / 1000
+        deadline = attempt.started + timeout_s
+        context = self._context(attempt, timeout_s)
+        arguments: dict[str, Any] = dict(reply.arguments or {})
+        try:
+            disposition = await self._execute_checked(
+                attempt, arguments, context, deadline, round(timeout_s * 1000)
+            )
+        finally:
+            self.metrics.duration.labels(tool=self.contract.name).observe(
+                time.monotonic() - attempt.started
+            )
+        return disposition
+
+    async def _execute_checked(
+        self,
+        attempt: _Attempt,
+        arguments: dict[str, Any],
+        context: ToolContext,
+        deadline: float,
+        timeout_ms: int,
+    ) -> ItemDisposition:
+        # The ledger checked these arguments; checking them again against the
+        # pinned schema catches a ledger and an executor that disagree on it.
+        issues = self._input.issues(arguments)
+        if issues:
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="ARGUMENTS_INVALID",
+                    category=ErrorCategory.INVALID_INPUT,
+                    message="the leased arguments do not match the executor's input schema",
+                    safe_details={"issues": _issue_summary(issues)},
+                ),
+            )
+        if self.tool.check_preconditions is not None:
+            checked = await self._check_preconditions(attempt, arguments, context, deadline)
+            if isinstance(checked, ItemDisposition):
+                return checked
+            if checked.verdict is PreconditionVerdict.STALE:
+                return self._failure(
+                    attempt,
+                    ErrorInfo(
+                        code=checked.code or "PRECONDITION_STALE",
+                        category=ErrorCategory.CONFLICT,
+                        message=checked.reason or "the target changed after the call was approved",
+                    ),
+                )
+            if checked.verdict is PreconditionVerdict.ALREADY_APPLIED:
+                return await self._report_output(
+                    attempt, arguments, checked.data, context, reason="already_applied"
+                )
+        try:
+            output = await asyncio.wait_for(
+                _invoke(self.tool.run, arguments, context), timeout=deadline - time.monotonic()
+            )
+        except TimeoutError:
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="EXECUTION_TIMEOUT",
+                    category=ErrorCategory.TRANSIENT,
+                    message=f"the tool did not finish within {timeout_ms} ms",
+                    # A read may simply be retried; a write must be reconciled first.
+                    retryable=not self._writes,
+                ),
+                unknown=self._writes,
+            )
+        except ToolError as error:
+            return self._failure(
+                attempt,
+                self._tool_error_info(error),
+                unknown=self._writes and error.outcome_unknown,
+            )
+        except Exception:
+            # The trace stays in this process's log; the envelope says only that it broke.
+            self._log.exception("tool %s crashed on %s", self.contract.name, attempt.operation_id)
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="TOOL_CRASHED",
+                    category=ErrorCategory.INTERNAL,
+                    message="the tool failed unexpectedly",
+                ),
+                unknown=self._writes,
+            )
+        return await self._report_output(attempt, arguments, output, context, reason="executed")
+
+    async def _check_preconditions(
+        self,
+        attempt: _Attempt,
+        arguments: dict[str, Any],
+        context: ToolContext,
+        deadline: float,
+    ) -> Precondition | ItemDisposition:
+        """The verdict, or the failure to publish. No side effect has happened here."""
+        assert self.tool.check_preconditions is not None
+        try:
+            verdict = await asyncio.wait_for(
+                _invoke(self.tool.check_preconditions, arguments, context),
+                timeout=deadline - time.monotonic(),
+            )
+        except TimeoutError:
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="PRECONDITION_TIMEOUT",
+                    category=ErrorCategory.TRANSIENT,
+                    message="re-checking the target before running took too long",
+                    retryable=True,
+                ),
+            )
+        except ToolError as error:
+            # A precondition check only reads, so its failure is a known outcome.
+            return self._failure(attempt, self._tool_error_info(error))
+        except Exception:
+            self._log.exception("precondition check crashed on %s", attempt.operation_id)
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="PRECONDITION_CHECK_FAILED",
+                    category=ErrorCategory.INTERNAL,
+                    message="the target could not be re-checked before running",
+                ),
+            )
+        if not isinstance(verdict, Precondition):
+            self._log.error("check_preconditions returned %s", type(verdict).__name__)
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="PRECONDITION_CHECK_FAILED",
+                    category=ErrorCategory.INTERNAL,
+                    message="the target could not be re-checked before running",
+                ),
+            )
+        return verdict
+
+    # -------------------------------------------------------------- reconcile
+
+    async def _reconcile(
+        self, attempt: _Attempt, reply: LeaseReply, delivery: int
+    ) -> ItemDisposition:
+        reconcile = self.tool.reconcile
+        if reconcile is None:
+            if not self._writes:
+                # A read changed nothing anywhere: running it again is safe.
+                return self._not_applied(attempt, "a read-only tool has no effect to look up")
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="RECONCILE_UNSUPPORTED",
+                    category=ErrorCategory.INTERNAL,
+                    message="this executor cannot look earlier attempts up; reconcile by hand",
+                ),
+                unknown=True,
+                reason="reconciled",
+            )
+        timeout_s = (reply.timeout_ms or self.contract.timeout_ms) / 1000
+        context = self._context(attempt, timeout_s)
+        started = time.monotonic()
+        try:
+            found = await asyncio.wait_for(
+                _invoke(reconcile, attempt.operation_id, context), timeout=timeout_s
+            )
+            if not isinstance(found, Reconciliation):
+                raise TypeError(f"reconcile returned {type(found).__name__}")
+        except Exception as exc:
+            self._log.warning(
+                "reconciling %s failed (%s)", attempt.operation_id, type(exc).__name__
+            )
+            if delivery < self._give_up_after:
+                # The provider may answer next time; the lease stays with the ledger.
+                return ItemDisposition(
+                    ItemAction.NAK, "reconcile_failed", delay_s=self._retry_delay
+                )
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code="RECONCILE_FAILED",
+                    category=ErrorCategory.TRANSIENT,
+                    message="the provider could not be asked what happened; reconcile by hand",
+                ),
+                unknown=True,
+                reason="reconciled",
+            )
+        finally:
+            self.metrics.reconciliation_duration.labels(tool=self.contract.name).observe(
+                time.monotonic() - started
+            )
+        if found.status is ReconcileStatus.APPLIED:
+            # Postconditions need the arguments, which a reconcile lease may lack.
+            return await self._report_output(
+                attempt, {}, found.data, context, reason="reconciled", check_post=False
+            )
+        if found.status is ReconcileStatus.NOT_APPLIED:
+            return self._not_applied(attempt, found.reason)
+        return self._failure(
+            attempt,
+            ErrorInfo(
+                code="RECONCILE_INCONCLUSIVE",
+                category=ErrorCategory.TRANSIENT,
+                message=found.reason or "the provider cannot tell whether the call took effect",
+            ),
+            unknown=True,
+            reason="reconciled",
+        )
+
+    def _not_applied(self, attempt: _Attempt, reason: str) -> ItemDisposition:
+        return self._failure(
+            attempt,
+            ErrorInfo(
+                code="NOT_APPLIED",
+                category=ErrorCategory.TRANSIENT,
+                message=reason or "the earlier attempt had no effect; it may be retried",
+                retryable=True,
+            ),
+            reason="reconciled",
+        )
+
+    # ---------------------------------------------------------------- results
+
+    async def _report_output(
+        self,
+        attempt: _Attempt,
+        arguments: Mapping[str, Any],
+        output: Any,
+        context: ToolContext,
+        *,
+        reason: str,
+        check_post: bool = True,
+    ) -> ItemDisposition:
+        try:
+            data = await self._trusted_output(arguments, output, context, check_post=check_post)
+            redacted = redact(data, self.redaction)
+            envelope = self._envelope(
+                attempt,
+                ok=True,
+                data=redacted.value,
+                redactions=tuple("/data" + p for p in redacted.pointers),
+            )
+            size = len(envelope.model_dump_json())
+            if size > self._max_result_bytes:
+                raise _Untrusted(
+                    "RESULT_TOO_LARGE",
+                    "the result is too large to deliver",
+                    limit_bytes=self._max_result_bytes,
+                )
+        except _Untrusted as problem:
+            # A write's effect may have happened even though its report is
+            # unusable; only reconciliation may settle it.
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code=problem.code,
+                    category=ErrorCategory.INTERNAL,
+                    message=problem.message,
+                    safe_details=problem.details,
+                ),
+                unknown=self._writes,
+                reason=reason,
+            )
+        if redacted.pointers:
+            self.metrics.redactions.labels(tool=self.contract.name).inc(len(redacted.pointers))
+        return self._published(envelope, reason)
+
+    async def _trusted_output(
+        self,
+        arguments: Mapping[str, Any],
+        output: Any,
+        context: ToolContext,
+        *,
+        check_post: bool,
+    ) -> dict[str, Any]:
+        """The output as plain JSON, valid against the contract; `_Untrusted` otherwise."""
+        if not isinstance(output, Mapping):
+            raise _Untrusted("OUTPUT_CONTRACT_VIOLATION", "the tool returned no JSON object")
+        try:
+            # A JSON round trip copies the output (the tool keeps no handle on
+            # what is published) and refuses anything JSON cannot carry.
+            data: dict[str, Any] = orjson.loads(orjson.dumps(output))
+        except TypeError:
+            raise _Untrusted(
+                "OUTPUT_CONTRACT_VIOLATION", "the tool returned a value JSON cannot carry"
+            ) from None
+        issues = self._output.issues(data)
+        if issues:
+            raise _Untrusted(
+                "OUTPUT_CONTRACT_VIOLATION",
+                "the tool's output does not match its contract's output schema",
+                issues=_issue_summary(issues),
+            )
+        post = self.tool.check_postconditions
+        if post is not None and check_post:
+            try:
+                problems = await asyncio.wait_for(
+                    _invoke(post, arguments, data, context),
+                    timeout=max(context.seconds_left(self._clock()), 1.0),
+                )
+            except Exception as exc:
+                self._log.warning("postcondition check failed: %s", type(exc).__name__)
+                raise _Untrusted(
+                    "POSTCONDITION_UNVERIFIED", "the effect could not be verified"
+                ) from None
+            if problems:
+                raise _Untrusted(
+                    "POSTCONDITION_FAILED",
+                    "the effect is not what the call asked for",
+                    problems=[redact_text(str(p), self.redaction)[0][:200] for p in problems][
+                        :_MAX_DETAIL_ISSUES
+                    ],
+                )
+        return data
+
+    def _tool_error_info(self, error: ToolError) -> ErrorInfo:
+        info = error.to_info()
+        declared = self.contract.error_category(info.code)
+        if declared is not None and declared is not info.category:
+            # The operator's contract is the authority on what a code means.
+            self._log.warning(
+                "%s raised %s as %s; the contract says %s",
+                self.contract.name,
+                info.code,
+                info.category.value,
+                declared.value,
+            )
+            info = info.model_copy(update={"category": declared})
+        return info
+
+    def _failure(
+        self,
+        attempt: _Attempt,
+        error: ErrorInfo,
+        *,
+        unknown: bool = False,
+        reason: str = "executed",
+    ) -> ItemDisposition:
+        message, message_changed = redact_text(error.message, self.redaction)
+        message = message[:_MAX_MESSAGE_CHARS]
+        details = redact(error.safe_details, self.redaction)
+        redactions = (["/error/message"] if message_changed else []) + [
+            "/error/safe_details" + p for p in details.pointers
+        ]
+        safe = error.model_copy(update={"message": message, "safe_details": details.value})
+        envelope = self._envelope(
+            attempt, ok=False, error=safe, unknown=unknown, redactions=tuple(redactions)
+        )
+        return self._published(envelope, reason)
+
+    def _envelope(
+        self,
+        attempt: _Attempt,
+        *,
+        ok: bool,
+        data: dict[str, Any] | None = None,
+        error: ErrorInfo | None = None,
+        unknown: bool = False,
+        redactions: tuple[str, ...] = (),
+    ) -> ResultEnvelope:
+        return ResultEnvelope(
+            operation_id=attempt.operation_id,
+            fencing_token=attempt.fencing_token,
+            ok=ok,
+            data=data,
+            error=error,
+            outcome_unknown=unknown,
+            provenance=Provenance(
+                tool=self.contract.name,
+                tool_version=self.contract.version,
+                executor=self.executor,
+                attempt=attempt.attempt,
+                latency_ms=round((time.monotonic() - attempt.started) * 1000, 3),
+                completed_at=self._clock(),
+                trust="untrusted",
+            ),
+            redactions=redactions,
+        )
+
+    def _published(self, envelope: ResultEnvelope, reason: str) -> ItemDisposition:
+        outcome = (
+            "succeeded" if envelope.ok else "unknown" if envelope.outcome_unknown else "failed"
+        )
+        self.metrics.executions.labels(tool=self.contract.name, outcome=outcome).inc()
+        if envelope.outcome_unknown:
+            self.metrics.unknown.labels(tool=self.contract.name).inc()
+        return ItemDisposition(ItemAction.PUBLISH, reason, envelope=envelope)
+
+
+def _issue_summary(issues: list[Any]) -> list[dict[str, str]]:
+    """Where and which rule failed, never the offending value (it may be sensitive)."""
+    return [
+        {"path": issue.path, "code": issue.code, "keyword": issue.keyword or ""}
+        for issue in issues[:_MAX_DETAIL_ISSUES]
+    ]

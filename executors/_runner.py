@@ -1,0 +1,330 @@
+"""`ExecutorRunner`: one tool's executor loop over NATS JetStream.
+
+The executor of tool T holds few permissions (see `ledger/nats`): it may
+fetch from and ack on its own durable consumer `work_consumer(T)`, request
+`Subjects.lease(T)`, publish to `Subjects.result(T)`, and receive on its own
+inbox prefix `inbox_prefix("exec", T)`. So it binds to the consumer
+(`pull_subscribe_bind`, no lookup or creation) and never touches `_INBOX.>`.
+
+Per message the loop asks `ItemProcessor` what to do, then does it. A result
+is acked only after its PubAck: if the process dies in between, the item is
+redelivered, the ledger answers `done` (or `reconcile`), and the operation
+converges instead of running twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import orjson
+from prometheus_client import start_http_server
+from pydantic import ValidationError
+
+from executors._api import Tool
+from executors._metrics import ExecutorMetrics
+from executors._process import (
+    ExecutorConfigError,
+    ItemAction,
+    ItemDisposition,
+    ItemProcessor,
+    LeaseError,
+    result_msg_id,
+)
+from executors._redact import DEFAULT_POLICY, RedactionPolicy
+from policy import ContractRegistry, ToolContract
+from schemas import (
+    RESULTS_STREAM,
+    WORK_STREAM,
+    ErrorInfo,
+    LeaseReply,
+    LeaseRequest,
+    ResultEnvelope,
+    Subjects,
+    inbox_prefix,
+    work_consumer,
+)
+
+__all__ = ["ExecutorRunner", "load_contract"]
+
+ConnectFn = Callable[..., Awaitable[Any]]
+
+
+def load_contract(contracts_dir: Path, name: str, version: str | None = None) -> ToolContract:
+    """The contract `name@version` from an operator's contract directory.
+
+    An executor pins the version it implements: with `version` given, that
+    exact version or an error; without it, the newest one in the directory.
+    """
+    registry = ContractRegistry.from_directory(contracts_dir)
+    versions = registry.versions(name)
+    if not versions:
+        raise ExecutorConfigError(f"no contract for tool {name!r} in {contracts_dir}")
+    chosen = version or versions[-1]
+    contract = registry.get(name, chosen)
+    if contract is None:
+        raise ExecutorConfigError(
+            f"{name}@{chosen} is not in {contracts_dir} (have {', '.join(versions)})"
+        )
+    return contract
+
+
+def _error_in(data: bytes) -> ErrorInfo | None:
+    try:
+        document = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(document, dict) or not isinstance(document.get("error"), dict):
+        return None
+    try:
+        return ErrorInfo.model_validate(document["error"])
+    except ValidationError:
+        return None
+
+
+class ExecutorRunner:
+    """Runs one tool's executor until `stop()`.
+
+    `connect_options` go to `nats.connect` unchanged (credentials, TLS,
+    servers), except that `inbox_prefix` defaults to the executor's private
+    prefix and `name` to the executor's identity.
+    """
+
+    def __init__(
+        self,
+        tool: Tool,
+        contract: ToolContract,
+        *,
+        connect_options: Mapping[str, Any],
+        executor: str,
+        batch_size: int = 1,
+        secrets: Mapping[str, str] | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "0.0.0.0",
+        metrics: ExecutorMetrics | None = None,
+        redaction: RedactionPolicy = DEFAULT_POLICY,
+        heartbeat_interval_s: float = 5.0,
+        fetch_timeout_s: float = 5.0,
+        lease_timeout_s: float = 5.0,
+        publish_timeout_s: float = 5.0,
+        publish_attempts: int = 3,
+        retry_delay_s: float = 5.0,
+        connect: ConnectFn = nats.connect,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ExecutorConfigError("batch_size must be at least 1")
+        self.tool = tool
+        self.contract = contract
+        self.executor = executor
+        self.metrics = metrics if metrics is not None else ExecutorMetrics()
+        self._log = logger or logging.getLogger(f"opledger.executor.{contract.name}")
+        self.processor = ItemProcessor(
+            tool,
+            contract,
+            executor=executor,
+            secrets=secrets,
+            redaction=redaction,
+            metrics=self.metrics,
+            heartbeat_interval_s=heartbeat_interval_s,
+            retry_delay_s=retry_delay_s,
+            logger=self._log,
+        )
+        options = dict(connect_options)
+        options.setdefault("inbox_prefix", inbox_prefix("exec", contract.name))
+        options.setdefault("name", executor)
+        # An executor outlives server restarts: keep reconnecting, and say so
+        # in one line per event rather than the client's default tracebacks.
+        options.setdefault("max_reconnect_attempts", -1)
+        options.setdefault("error_cb", self._on_error)
+        options.setdefault("disconnected_cb", self._on_disconnected)
+        options.setdefault("reconnected_cb", self._on_reconnected)
+        self._options = options
+        self._batch = batch_size
+        self._metrics_port = metrics_port
+        self._metrics_addr = metrics_addr
+        self._fetch_timeout = fetch_timeout_s
+        self._lease_timeout = lease_timeout_s
+        self._publish_timeout = publish_timeout_s
+        self._publish_attempts = max(publish_attempts, 1)
+        self._retry_delay = retry_delay_s
+        self._connect = connect
+        self._stop = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set once the consumer is bound and the loop fetches."""
+        self._nc: Any = None
+        self._js: Any = None
+
+    @property
+    def connect_options(self) -> dict[str, Any]:
+        """The options passed to `nats.connect` (a copy)."""
+        return dict(self._options)
+
+    async def _on_error(self, error: Exception) -> None:
+        self._log.warning("NATS: %s", error or type(error).__name__)
+
+    async def _on_disconnected(self) -> None:
+        self._log.warning("NATS: disconnected; reconnecting")
+
+    async def _on_reconnected(self) -> None:
+        self._log.info("NATS: reconnected")
+
+    def stop(self) -> None:
+        """Stop after the current item; fetched items not yet started go back at once.
+
+        To abandon the current item too, cancel the task running `run()`: the
+        item is left unacknowledged and redelivered after the consumer's
+        ack wait, and the ledger decides (busy, then reconcile).
+        """
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Connect, bind to the tool's consumer and process work until `stop()`."""
+        server = None
+        if self._metrics_port is not None:
+            server, _thread = start_http_server(
+                self._metrics_port, addr=self._metrics_addr, registry=self.metrics.registry
+            )
+        try:
+            self._nc = await self._connect(**self._options)
+            try:
+                self._js = self._nc.jetstream(timeout=self._publish_timeout)
+                sub = await self._js.pull_subscribe_bind(
+                    consumer=work_consumer(self.contract.name), stream=WORK_STREAM
+                )
+                self.ready.set()
+                self._log.info(
+                    "executor %s runs %s@%s",
+                    self.executor,
+                    self.contract.name,
+                    self.contract.version,
+                )
+                await self._loop(sub)
+            finally:
+                await self._close()
+        finally:
+            if server is not None:
+                server.shutdown()
+
+    async def _loop(self, sub: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                messages = await sub.fetch(self._batch, timeout=self._fetch_timeout)
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.ConnectionClosedError:
+                self._log.error("NATS connection closed; executor stops")
+                return
+            except Exception as exc:
+                # Reconnects and server restarts surface here; the client retries.
+                self._log.warning("fetch failed: %s", type(exc).__name__)
+                await self._pause(1.0)
+                continue
+            for index, msg in enumerate(messages):
+                if self._stop.is_set():
+                    # Nothing happened to these yet: let another executor have them now.
+                    for rest in messages[index:]:
+                        await self._settle(rest.nak(), "nak")
+                    return
+                await self.handle(msg)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+
+    async def handle(self, msg: Any) -> ItemDisposition:
+        """Process one JetStream message and settle it (ack, nak, term, publish then ack)."""
+        try:
+            delivery = int(msg.metadata.num_delivered)
+        except Exception:
+            delivery = 1
+        disposition = await self.processor.process(
+            msg.data, lease=self._lease, heartbeat=msg.in_progress, delivery=delivery
+        )
+        if disposition.action is ItemAction.ACK:
+            await self._settle(msg.ack(), "ack")
+        elif disposition.action is ItemAction.NAK:
+            await self._settle(msg.nak(delay=disposition.delay_s), "nak")
+        elif disposition.action is ItemAction.TERM:
+            await self._settle(msg.term(), "term")
+        else:
+            assert disposition.envelope is not None
+            if await self._publish(disposition.envelope, msg):
+                await self._settle(msg.ack(), "ack")
+            else:
+                # No PubAck: the result may or may not be stored. Redelivery asks
+                # the ledger again, which answers from what it actually recorded.
+                await self._settle(msg.nak(delay=self._retry_delay), "nak")
+        return disposition
+
+    async def _settle(self, action: Awaitable[None], what: str) -> None:
+        try:
+            await action
+        except Exception as exc:
+            # A lost ack means a redelivery, and redeliveries converge.
+            self._log.warning("%s failed: %s", what, type(exc).__name__)
+
+    async def _lease(self, request: LeaseRequest) -> LeaseReply:
+        reply = await self._nc.request(
+            Subjects.lease(self.contract.name),
+            request.model_dump_json().encode(),
+            timeout=self._lease_timeout,
+        )
+        try:
+            return LeaseReply.model_validate_json(reply.data)
+        except ValidationError:
+            # The ledger answers a request it cannot serve (an unknown operation,
+            # a broken request) with `{"error": ErrorInfo, ...}` instead.
+            error = _error_in(reply.data)
+            if error is None:
+                raise
+            raise LeaseError(error) from None
+
+    async def _publish(self, envelope: ResultEnvelope, msg: Any) -> bool:
+        payload = envelope.model_dump_json().encode()
+        msg_id = result_msg_id(envelope)
+        for attempt in range(1, self._publish_attempts + 1):
+            try:
+                ack = await self._js.publish(
+                    Subjects.result(self.contract.name),
+                    payload,
+                    timeout=self._publish_timeout,
+                    stream=RESULTS_STREAM,
+                    # Same ID on every try: JetStream drops the copy if an
+                    # earlier try was stored but its PubAck was lost.
+                    headers={"Nats-Msg-Id": msg_id},
+                )
+            except Exception as exc:
+                self._log.warning(
+                    "publishing result %s failed (try %d): %s",
+                    msg_id,
+                    attempt,
+                    type(exc).__name__,
+                )
+                if attempt < self._publish_attempts:
+                    await self._settle(msg.in_progress(), "in-progress")
+                    await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 2.0))
+                continue
+            if getattr(ack, "duplicate", False):
+                self._log.info("result %s was already stored", msg_id)
+            return True
+        self.metrics.retries.labels(reason="publish_failed").inc()
+        return False
+
+    async def _close(self) -> None:
+        nc, self._nc = self._nc, None
+        if nc is None:
+            return
+        # Acks are buffered publishes: flush them before closing. Not `drain()`:
+        # it waits on the pull subscription's queue, which fetches never mark
+        # done, so it would sit out the whole drain timeout.
+        with contextlib.suppress(Exception):
+            await nc.flush(timeout=2)
+        with contextlib.suppress(Exception):
+            await nc.close()

@@ -1,0 +1,344 @@
+"""Sample executor of `send_customer_email`, over a fake e-mail provider kept in SQLite.
+
+The provider behaves like a real transactional mail API with idempotency keys:
+
+- every accepted send is recorded (one row per send, one per message);
+- a second send with the same key does not send again: it returns the first
+  send's message IDs (and refuses a *different* message under a used key);
+- a send can be looked up by key, which is what `reconcile` does.
+
+It lives in a SQLite file named by the executor's secret `email_provider_db`
+(`OPLEDGER_SECRET_EMAIL_PROVIDER_DB`), so two executor processes, and the
+test that counts side effects with `count_sends`, share one provider.
+
+Test hook: with `OPLEDGER_TEST_CRASH_AFTER_SEND=1` the process exits hard
+(status 137, like SIGKILL) right after the provider recorded a new send and
+before any result is published or the work item acked. Redelivery must then
+converge on exactly one send.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from executors._api import Precondition, Reconciliation, ToolContext, ToolError, tool
+from executors.samples._world import CUSTOMERS_OPTED_OUT, customer_address
+from schemas import ErrorCategory
+
+__all__ = [
+    "CRASH_AFTER_SEND_ENV",
+    "EMAIL_DB_SECRET",
+    "FakeEmailProvider",
+    "IdempotencyKeyReused",
+    "SendRecord",
+    "count_messages",
+    "count_sends",
+    "send_customer_email",
+]
+
+EMAIL_DB_SECRET = "email_provider_db"
+"""The secret naming the provider's SQLite file (`OPLEDGER_SECRET_EMAIL_PROVIDER_DB`)."""
+CRASH_AFTER_SEND_ENV = "OPLEDGER_TEST_CRASH_AFTER_SEND"
+"""Set to `1` to make the executor die right after a new send (tests only)."""
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS sends ("
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+    " idempotency_key TEXT NOT NULL UNIQUE,"
+    " request_hash TEXT NOT NULL,"
+    " template TEXT NOT NULL,"
+    " recipient_ids TEXT NOT NULL,"
+    " rejected_recipient_ids TEXT NOT NULL,"
+    " message_ids TEXT NOT NULL,"
+    " sent_at TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS messages ("
+    " message_id TEXT PRIMARY KEY,"
+    " idempotency_key TEXT NOT NULL,"
+    " recipient_id TEXT NOT NULL,"
+    " address TEXT NOT NULL,"
+    " subject TEXT NOT NULL,"
+    " body TEXT NOT NULL)",
+)
+_SUBJECTS = {
+    "support_received": "We received your request {ticket_id}",
+    "refund_review_requested": "Your refund for {order_id} is being reviewed",
+    "order_shipped": "Your order {order_id} has shipped",
+}
+
+
+class IdempotencyKeyReused(Exception):
+    """A used idempotency key came back with a different message."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendRecord:
+    """One send as the provider recorded it."""
+
+    idempotency_key: str
+    template: str
+    recipient_ids: tuple[str, ...]
+    rejected_recipient_ids: tuple[str, ...]
+    message_ids: tuple[str, ...]
+    sent_at: str
+    created: bool = False
+    """True only for the call that recorded it (not for a deduplicated repeat or a lookup)."""
+
+    def as_output(self) -> dict[str, Any]:
+        """The send as `send_customer_email` reports it."""
+        return {
+            "accepted_count": len(self.message_ids),
+            "rejected_recipient_ids": list(self.rejected_recipient_ids),
+            "provider_message_ids": list(self.message_ids),
+        }
+
+
+def _record(row: Sequence[Any], *, created: bool = False) -> SendRecord:
+    key, template, recipients, rejected, message_ids, sent_at = row
+    return SendRecord(
+        idempotency_key=key,
+        template=template,
+        recipient_ids=tuple(json.loads(recipients)),
+        rejected_recipient_ids=tuple(json.loads(rejected)),
+        message_ids=tuple(json.loads(message_ids)),
+        sent_at=sent_at,
+        created=created,
+    )
+
+
+_COLUMNS = "idempotency_key, template, recipient_ids, rejected_recipient_ids, message_ids, sent_at"
+_SELECT = f"SELECT {_COLUMNS} FROM sends WHERE idempotency_key = ?"
+_SELECT_WITH_HASH = f"SELECT {_COLUMNS}, request_hash FROM sends WHERE idempotency_key = ?"
+
+
+class FakeEmailProvider:
+    """A transactional e-mail provider with idempotency keys, in one SQLite file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        with self._connection() as db:
+            for statement in _SCHEMA:
+                db.execute(statement)
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        # Autocommit mode plus explicit BEGIN IMMEDIATE: two processes sending
+        # under one key serialize on the write lock, and the second sees the first.
+        with closing(sqlite3.connect(self.path, timeout=30, isolation_level=None)) as db:
+            yield db
+
+    def send(
+        self,
+        *,
+        idempotency_key: str,
+        template: str,
+        subject: str,
+        body: str,
+        recipients: Sequence[tuple[str, str]],
+        rejected_recipient_ids: Sequence[str] = (),
+    ) -> SendRecord:
+        """Send one message to each (customer ID, address), once per idempotency key."""
+        recipient_ids = [customer for customer, _ in recipients]
+        request_hash = hashlib.sha256(
+            json.dumps(
+                [template, subject, body, list(recipients), list(rejected_recipient_ids)],
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()
+        with self._connection() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                existing = db.execute(_SELECT_WITH_HASH, (idempotency_key,)).fetchone()
+                if existing is not None:
+                    db.execute("ROLLBACK")
+                    if existing[-1] != request_hash:
+                        raise IdempotencyKeyReused(idempotency_key)
+                    return _record(existing[:-1])
+                message_ids = [f"msg-{uuid.uuid4().hex}" for _ in recipients]
+                sent_at = datetime.now(UTC).isoformat()
+                db.execute(
+                    "INSERT INTO sends (idempotency_key, request_hash, template, recipient_ids,"
+                    " rejected_recipient_ids, message_ids, sent_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        idempotency_key,
+                        request_hash,
+                        template,
+                        json.dumps(recipient_ids),
+                        json.dumps(list(rejected_recipient_ids)),
+                        json.dumps(message_ids),
+                        sent_at,
+                    ),
+                )
+                db.executemany(
+                    "INSERT INTO messages (message_id, idempotency_key, recipient_id, address,"
+                    " subject, body) VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (message_id, idempotency_key, customer, address, subject, body)
+                        for message_id, (customer, address) in zip(
+                            message_ids, recipients, strict=True
+                        )
+                    ],
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+        return SendRecord(
+            idempotency_key=idempotency_key,
+            template=template,
+            recipient_ids=tuple(recipient_ids),
+            rejected_recipient_ids=tuple(rejected_recipient_ids),
+            message_ids=tuple(message_ids),
+            sent_at=sent_at,
+            created=True,
+        )
+
+    def lookup(self, idempotency_key: str) -> SendRecord | None:
+        """The send recorded under this key, if any."""
+        with self._connection() as db:
+            row = db.execute(_SELECT, (idempotency_key,)).fetchone()
+        return None if row is None else _record(row)
+
+
+def _count(path: str | Path, table: str, operation_id: str | None) -> int:
+    if not Path(path).exists():
+        return 0
+    query = f"SELECT COUNT(*) FROM {table}"  # table is one of two literals, never input
+    parameters: tuple[str, ...] = ()
+    if operation_id is not None:
+        query += " WHERE idempotency_key = ?"
+        parameters = (operation_id,)
+    with closing(sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True, timeout=30)) as db:
+        try:
+            (count,) = db.execute(query, parameters).fetchone()
+        except sqlite3.OperationalError:
+            return 0  # no table yet: nothing was ever sent
+    return int(count)
+
+
+def count_sends(path: str | Path, operation_id: str | None = None) -> int:
+    """How many sends the provider recorded (all, or under one operation's key)."""
+    return _count(path, "sends", operation_id)
+
+
+def count_messages(path: str | Path, operation_id: str | None = None) -> int:
+    """How many messages (one per accepted recipient) the provider delivered."""
+    return _count(path, "messages", operation_id)
+
+
+# ------------------------------------------------------------------- the tool
+
+
+def _render(arguments: Mapping[str, Any]) -> tuple[str, str]:
+    template = str(arguments["template"])
+    variables = dict(arguments.get("variables") or {})
+    try:
+        subject = _SUBJECTS[template].format(**variables)
+    except (KeyError, IndexError):
+        raise ToolError(
+            ErrorCategory.INVALID_INPUT,
+            "TEMPLATE_RENDER_FAILED",
+            f"the variables do not fill template '{template}'",
+        ) from None
+    greeting = f"Hello {variables.get('display_name', 'customer')},"
+    body = "\n\n".join(part for part in (greeting, arguments.get("body"), subject) if part)
+    return subject, body
+
+
+def _resolve(recipient_ids: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Addresses from the executor's own directory; opted-out customers are rejected."""
+    unknown = [rid for rid in recipient_ids if customer_address(rid) is None]
+    if unknown:
+        raise ToolError(
+            ErrorCategory.NOT_FOUND,
+            "RECIPIENT_NOT_FOUND",
+            "a recipient does not exist or is not visible",
+            safe_details={"count": len(unknown)},
+        )
+    accepted: list[tuple[str, str]] = []
+    rejected: list[str] = []
+    for rid in recipient_ids:
+        if rid in CUSTOMERS_OPTED_OUT:
+            rejected.append(rid)
+        else:
+            address = customer_address(rid)
+            assert address is not None
+            accepted.append((rid, address))
+    return accepted, rejected
+
+
+def _provider(context: ToolContext) -> FakeEmailProvider:
+    try:
+        return FakeEmailProvider(context.secret(EMAIL_DB_SECRET))
+    except sqlite3.Error:
+        raise ToolError(
+            ErrorCategory.TRANSIENT, "PROVIDER_UNAVAILABLE", "the mail provider is unavailable"
+        ) from None
+
+
+@tool("send_customer_email", version="1.0.0", required_secrets=(EMAIL_DB_SECRET,))
+def send_customer_email(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+    """Render the template and send it to each recipient, keyed by the operation ID."""
+    subject, body = _render(arguments)
+    accepted, rejected = _resolve(list(arguments["recipient_ids"]))
+    if not accepted:
+        raise ToolError(
+            ErrorCategory.POLICY_DENIED,
+            "RECIPIENT_OPTED_OUT",
+            "every recipient has opted out of customer e-mail",
+        )
+    provider = _provider(context)
+    try:
+        record = provider.send(
+            idempotency_key=context.idempotency_key,
+            template=str(arguments["template"]),
+            subject=subject,
+            body=body,
+            recipients=accepted,
+            rejected_recipient_ids=rejected,
+        )
+    except IdempotencyKeyReused:
+        raise ToolError(
+            ErrorCategory.CONFLICT,
+            "DUPLICATE_SEND",
+            "this operation already sent a different message",
+        ) from None
+    except sqlite3.Error:
+        # The commit may or may not have happened: only a lookup can tell.
+        raise ToolError(
+            ErrorCategory.TRANSIENT,
+            "PROVIDER_UNAVAILABLE",
+            "the mail provider did not confirm the send",
+            outcome_unknown=True,
+        ) from None
+    if record.created and os.environ.get(CRASH_AFTER_SEND_ENV) == "1":
+        # The side effect exists; nothing about it has been published or acked.
+        os._exit(137)
+    return record.as_output()
+
+
+@send_customer_email.precondition
+def _not_sent_yet(arguments: Mapping[str, Any], context: ToolContext) -> Precondition:
+    record = _provider(context).lookup(context.idempotency_key)
+    if record is not None:
+        return Precondition.already_applied(record.as_output(), "already sent under this key")
+    _resolve(list(arguments["recipient_ids"]))  # raises RECIPIENT_NOT_FOUND before any send
+    return Precondition.ok()
+
+
+@send_customer_email.reconciler
+def _lookup_send(operation_id: str, context: ToolContext) -> Reconciliation:
+    record = _provider(context).lookup(operation_id)
+    if record is None:
+        return Reconciliation.not_applied("the provider has no send under this operation's key")
+    return Reconciliation.applied(record.as_output())

@@ -1,0 +1,299 @@
+"""`ExecutorRunner` against fake NATS objects: binding, subjects, headers and the order
+publish → PubAck → ack. Real-server tests live with the NATS topology."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import nats.errors
+import pytest
+
+from executors import ExecutorConfigError, ExecutorRunner, Tool, ToolContext
+from schemas import LeaseDecision, LeaseReply, LeaseRequest, ResultEnvelope
+from tests.executors.helpers import contract, reply, work_item
+
+TOOL = "search_documents"
+ARGS = {"query": "refund window", "source_types": ["policy"], "top_k": 3}
+OUTPUT = {"items": [], "truncated": False, "next_cursor": None}
+
+
+class FakeMsg:
+    def __init__(self, name: str, data: bytes, events: list[tuple[Any, ...]], delivered: int = 1):
+        self.name = name
+        self.data = data
+        self.metadata = SimpleNamespace(num_delivered=delivered)
+        self._events = events
+
+    async def ack(self) -> None:
+        self._events.append(("ack", self.name))
+
+    async def nak(self, delay: float | None = None) -> None:
+        self._events.append(("nak", self.name, delay))
+
+    async def term(self) -> None:
+        self._events.append(("term", self.name))
+
+    async def in_progress(self) -> None:
+        self._events.append(("in_progress", self.name))
+
+
+class FakeNats:
+    """A connection, its JetStream context and one pull subscription, all recorded."""
+
+    def __init__(self, answers: Mapping[str, LeaseReply | bytes], *, failing_publishes: int = 0):
+        self.answers = answers
+        self.events: list[tuple[Any, ...]] = []
+        self.batches: list[list[FakeMsg]] = []
+        self.options: dict[str, Any] = {}
+        self.bound: dict[str, Any] = {}
+        self.published: list[dict[str, Any]] = []
+        self.failing_publishes = failing_publishes
+        self.runner: ExecutorRunner | None = None
+        self.timeouts: dict[str, list[float | None]] = {}
+        self.fetched: list[int] = []
+
+    def _timeout(self, what: str, timeout: float | None) -> None:
+        self.timeouts.setdefault(what, []).append(timeout)
+
+    # nats.connect
+    async def connect(self, **options: Any) -> FakeNats:
+        self.options = options
+        return self
+
+    def jetstream(self, timeout: float | None = None) -> FakeNats:
+        self._timeout("jetstream", timeout)
+        return self
+
+    async def pull_subscribe_bind(self, **kwargs: Any) -> FakeNats:
+        self.bound = kwargs
+        return self
+
+    async def fetch(self, batch: int, timeout: float | None = None) -> list[FakeMsg]:
+        self.fetched.append(batch)
+        self._timeout("fetch", timeout)
+        if self.batches:
+            return self.batches.pop(0)
+        assert self.runner is not None
+        self.runner.stop()
+        raise nats.errors.TimeoutError
+
+    async def request(self, subject: str, payload: bytes, timeout: float | None = None) -> Any:
+        self._timeout("request", timeout)
+        request = LeaseRequest.model_validate_json(payload)
+        self.events.append(("lease", subject, request.operation_id))
+        answer = self.answers[request.operation_id]
+        if isinstance(answer, bytes):
+            return SimpleNamespace(data=answer)
+        return SimpleNamespace(data=answer.model_dump_json().encode())
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes,
+        timeout: float | None = None,
+        stream: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        self._timeout("publish", timeout)
+        self.published.append(
+            {
+                "subject": subject,
+                "payload": payload,
+                "stream": stream,
+                "headers": dict(headers or {}),
+            }
+        )
+        if self.failing_publishes > 0:
+            self.failing_publishes -= 1
+            self.events.append(("publish_failed", subject))
+            raise TimeoutError
+        self.events.append(("publish", subject))
+        return SimpleNamespace(stream=stream, seq=len(self.published), duplicate=False)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        self._timeout("flush", timeout)
+        self.events.append(("flush",))
+
+    async def close(self) -> None:
+        self.events.append(("close",))
+
+    def message(self, name: str, payload: bytes, delivered: int = 1) -> FakeMsg:
+        return FakeMsg(name, payload, self.events, delivered)
+
+
+def _tool(run: Any = None) -> Tool:
+    def default(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        return OUTPUT
+
+    return Tool(name=TOOL, run=run or default)
+
+
+def _runner(fake: FakeNats, tool: Tool | None = None, **options: Any) -> ExecutorRunner:
+    runner = ExecutorRunner(
+        tool or _tool(),
+        contract(TOOL),
+        connect_options=options.pop("connect_options", {"servers": ["nats://127.0.0.1:4222"]}),
+        executor="exec-7",
+        connect=fake.connect,
+        fetch_timeout_s=0.05,
+        **options,
+    )
+    fake.runner = runner
+    return runner
+
+
+def _execute(operation_id: str) -> LeaseReply:
+    return reply(
+        LeaseDecision.EXECUTE, operation_id, TOOL, arguments=ARGS, fencing_token=5, attempt=2
+    )
+
+
+def test_binds_without_lookup_and_publishes_before_acking() -> None:
+    fake = FakeNats({"op-1": _execute("op-1")})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    asyncio.run(_runner(fake).run())
+
+    assert fake.options["inbox_prefix"] == "_INBOX_exec_search_documents"
+    assert fake.options["name"] == "exec-7"
+    assert fake.options["servers"] == ["nats://127.0.0.1:4222"]
+    assert fake.bound == {"consumer": "exec_search_documents", "stream": "OPS_WORK"}
+    assert fake.events == [
+        ("lease", "ops.lease.search_documents", "op-1"),
+        ("publish", "ops.result.search_documents"),
+        ("ack", "m1"),
+        ("flush",),
+        ("close",),
+    ]
+    (published,) = fake.published
+    assert published["headers"] == {"Nats-Msg-Id": "op-1:2:5"}
+    assert published["stream"] == "OPS_RESULTS"
+    envelope = ResultEnvelope.model_validate_json(published["payload"])
+    assert envelope.ok
+    # Nothing waits without a bound: lease, publish and fetch all have timeouts.
+    assert set(fake.timeouts) == {"jetstream", "fetch", "request", "publish", "flush"}
+    assert all(t is not None and t > 0 for ts in fake.timeouts.values() for t in ts)
+    assert envelope.fencing_token == 5
+    assert envelope.provenance.executor == "exec-7"
+
+
+def test_callers_connect_options_are_kept() -> None:
+    fake = FakeNats({})
+    options = {
+        "servers": ["nats://x:1"],
+        "nkeys_seed": "/secrets/exec.nk",
+        "inbox_prefix": "_INBOX_custom",
+    }
+    runner = _runner(fake, connect_options=options)
+    asyncio.run(runner.run())
+    assert fake.options["nkeys_seed"] == "/secrets/exec.nk"
+    assert fake.options["inbox_prefix"] == "_INBOX_custom"
+    assert options == {
+        "servers": ["nats://x:1"],
+        "nkeys_seed": "/secrets/exec.nk",
+        "inbox_prefix": "_INBOX_custom",
+    }
+
+
+def test_a_lost_puback_is_retried_with_the_same_message_id() -> None:
+    fake = FakeNats({"op-1": _execute("op-1")}, failing_publishes=1)
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    asyncio.run(_runner(fake).run())
+    assert [p["headers"]["Nats-Msg-Id"] for p in fake.published] == ["op-1:2:5", "op-1:2:5"]
+    assert ("ack", "m1") in fake.events
+    assert fake.events.index(("publish", "ops.result.search_documents")) < fake.events.index(
+        ("ack", "m1")
+    )
+
+
+def test_no_puback_means_no_ack() -> None:
+    fake = FakeNats({"op-1": _execute("op-1")}, failing_publishes=5)
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    asyncio.run(_runner(fake, publish_attempts=2, retry_delay_s=7.0).run())
+    assert len(fake.published) == 2
+    assert ("ack", "m1") not in fake.events
+    assert ("nak", "m1", 7.0) in fake.events
+
+
+def test_done_busy_and_malformed_items_are_settled_without_publishing() -> None:
+    fake = FakeNats(
+        {
+            "op-done": reply(LeaseDecision.DONE, "op-done", TOOL),
+            "op-busy": reply(LeaseDecision.BUSY, "op-busy", TOOL),
+        }
+    )
+    fake.batches = [
+        [
+            fake.message("m-done", work_item("op-done", TOOL), delivered=3),
+            fake.message("m-busy", work_item("op-busy", TOOL)),
+            fake.message("m-bad", b"{}"),
+        ]
+    ]
+    asyncio.run(_runner(fake, batch_size=3).run())
+    assert fake.published == []
+    assert ("ack", "m-done") in fake.events
+    assert ("term", "m-bad") in fake.events
+    (busy,) = [event for event in fake.events if event[:2] == ("nak", "m-busy")]
+    assert busy[2] is not None and busy[2] > 0
+
+
+def test_an_error_answer_to_a_lease_request_is_understood() -> None:
+    error = {"code": "OPERATION_NOT_FOUND", "category": "NOT_FOUND", "message": "no such operation"}
+    fake = FakeNats(
+        {
+            "op-gone": json.dumps({"operation_id": "op-gone", "error": error}).encode(),
+            "op-late": json.dumps({"operation_id": "op-late", "error": error}).encode(),
+            "op-junk": b"<html>",
+        }
+    )
+    fake.batches = [
+        [
+            fake.message("m-gone", work_item("op-gone", TOOL)),
+            fake.message("m-late", work_item("op-late", TOOL), delivered=5),
+            fake.message("m-junk", work_item("op-junk", TOOL)),
+        ]
+    ]
+    runner = _runner(fake, batch_size=3, retry_delay_s=4.0)
+    asyncio.run(runner.run())
+    assert ("nak", "m-gone", 4.0) in fake.events
+    assert ("term", "m-late") in fake.events
+    assert ("nak", "m-junk", 4.0) in fake.events
+    assert fake.published == []
+    samples = runner.metrics.registry
+    assert samples.get_sample_value("tool_execution_retries_total", {"reason": "lease_error"}) == 1
+    assert (
+        samples.get_sample_value("tool_execution_retries_total", {"reason": "lease_unavailable"})
+        == 1
+    )
+
+
+def test_stop_finishes_the_current_item_and_returns_the_rest_at_once() -> None:
+    fake = FakeNats({f"op-{n}": _execute(f"op-{n}") for n in range(3)})
+    holder: dict[str, ExecutorRunner] = {}
+
+    def run(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        holder["runner"].stop()  # SIGTERM arrives while the first item runs
+        return OUTPUT
+
+    fake.batches = [[fake.message(f"m{n}", work_item(f"op-{n}", TOOL)) for n in range(3)]]
+    runner = _runner(fake, _tool(run), batch_size=3)
+    holder["runner"] = runner
+    asyncio.run(runner.run())
+    assert fake.fetched == [3]
+    assert fake.events == [
+        ("lease", "ops.lease.search_documents", "op-0"),
+        ("publish", "ops.result.search_documents"),
+        ("ack", "m0"),
+        ("nak", "m1", None),
+        ("nak", "m2", None),
+        ("flush",),
+        ("close",),
+    ]
+
+
+def test_a_batch_size_below_one_is_refused() -> None:
+    with pytest.raises(ExecutorConfigError, match="batch_size"):
+        _runner(FakeNats({}), batch_size=0)

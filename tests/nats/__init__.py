@@ -1,0 +1,1 @@
+"""Tests of the NATS layer against a real nats-server (marker `nats`)."""

@@ -1,0 +1,122 @@
+"""`declare_topology`: creates, leaves alone, updates, and refuses what cannot be updated."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import nats
+import pytest
+from nats.js.api import RetentionPolicy
+
+from ledger.nats import ClusterOptions, NatsServer, TopologyError, declare_topology, free_port
+from schemas import (
+    FEED_AUDITOR_CONSUMER,
+    FEED_STREAM,
+    RESULTS_CONSUMER,
+    RESULTS_STREAM,
+    WORK_STREAM,
+    work_consumer,
+)
+from tests.nats.conftest import TOOLS
+
+pytestmark = [pytest.mark.nats, pytest.mark.anyio]
+
+ALL = (
+    WORK_STREAM,
+    RESULTS_STREAM,
+    FEED_STREAM,
+    *(f"{WORK_STREAM}/{work_consumer(tool)}" for tool in TOOLS),
+    f"{RESULTS_STREAM}/{RESULTS_CONSUMER}",
+    f"{FEED_STREAM}/{FEED_AUDITOR_CONSUMER}",
+)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A plain server (no users): topology is about JetStream, not permissions."""
+    with NatsServer(tmp_path / "server") as running:
+        yield running
+
+
+async def test_declare_is_idempotent_and_updates_what_changed(server: NatsServer) -> None:
+    with anyio.fail_after(10):
+        nc = await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
+        js = nc.jetstream(timeout=1)
+        try:
+            first = await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5)
+            assert first.created == ALL
+            again = await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5)
+            assert again.unchanged == ALL and not again.created and not again.updated
+            changed = await declare_topology(
+                js, TOOLS, ack_wait_s=10, max_deliver=7, duplicate_window_s=60
+            )
+            assert changed.updated == ALL
+
+            work = await js.stream_info(WORK_STREAM)
+            assert work.config.retention == RetentionPolicy.WORK_QUEUE
+            assert work.config.subjects == ["ops.exec.*"]
+            assert work.config.duplicate_window == 60
+            feed = await js.stream_info(FEED_STREAM)
+            assert feed.config.retention == RetentionPolicy.LIMITS
+            assert feed.config.subjects == ["ops.feed.>"]
+            consumer = await js.consumer_info(WORK_STREAM, work_consumer("search_documents"))
+            assert consumer.config.filter_subject == "ops.exec.search_documents"
+            assert consumer.config.ack_policy == "explicit"
+            assert (consumer.config.ack_wait, consumer.config.max_deliver) == (10, 7)
+            assert consumer.config.deliver_subject is None  # a pull consumer
+        finally:
+            await nc.close()
+
+
+async def test_a_stream_that_cannot_be_updated_is_an_error(server: NatsServer) -> None:
+    """A work-queue stream's retention cannot change: we refuse instead of deleting data."""
+    with anyio.fail_after(10):
+        nc = await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
+        js = nc.jetstream(timeout=1)
+        try:
+            await js.add_stream(name=WORK_STREAM, subjects=["ops.exec.*"])  # limits retention
+            with pytest.raises(TopologyError, match=WORK_STREAM) as raised:
+                await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5)
+            assert "retention" in raised.value.message
+            info = await js.stream_info(WORK_STREAM)
+            assert info.config.retention == RetentionPolicy.LIMITS  # left as it was
+        finally:
+            await nc.close()
+
+
+async def test_replicas_on_a_three_node_cluster(tmp_path: Path) -> None:
+    cluster_ports = [free_port() for _ in range(3)]
+    routes = tuple(f"nats-route://127.0.0.1:{p}" for p in cluster_ports)
+    nodes = [
+        NatsServer(
+            tmp_path / f"n{i}",
+            server_name=f"n{i}",
+            cluster=ClusterOptions(name="topology-test", port=port, routes=routes),
+        )
+        for i, port in enumerate(cluster_ports)
+    ]
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_healthy(timeout_s=15)
+        with anyio.fail_after(20):
+            nc = await nats.connect(
+                [n.url for n in nodes], allow_reconnect=False, connect_timeout=2
+            )
+            try:
+                js = nc.jetstream(timeout=2)
+                done = await declare_topology(
+                    js, TOOLS, ack_wait_s=30, max_deliver=5, replicas=3
+                )
+                assert done.created == ALL
+                info = await js.stream_info(FEED_STREAM)
+                assert info.config.num_replicas == 3
+                assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+            finally:
+                await nc.close()
+    finally:
+        for node in nodes:
+            node.stop()
