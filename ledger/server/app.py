@@ -108,6 +108,7 @@ class LedgerService:
         self.gateway: LedgerGateway | None = None
         self.relay: Relay | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._results_subscription: Any = None
         self._register()
 
     # ----------------------------------------------------------------- handlers
@@ -212,6 +213,7 @@ class LedgerService:
 
     async def _consume_results(self, js: JetStreamContext) -> None:
         subscription = await js.pull_subscribe_bind(RESULTS_CONSUMER, stream=RESULTS_STREAM)
+        self._results_subscription = subscription
         while True:
             try:
                 messages = await subscription.fetch(self.options.result_batch, timeout=1)
@@ -297,8 +299,16 @@ class LedgerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.relay is not None:
             await self.relay.stop()
-        with contextlib.suppress(Exception):
-            await self.broker.stop()
+        if self._results_subscription is not None:
+            # A pull subscription makes nats-py's drain wait out its whole
+            # timeout; nothing is in flight on it any more, so just drop it.
+            with contextlib.suppress(Exception):
+                await self._results_subscription.unsubscribe()
+        try:
+            await asyncio.wait_for(self.broker.stop(), timeout=5)
+        except Exception:
+            with contextlib.suppress(Exception):
+                await self.broker.connection.close()
         if self.gateway is not None:
             await self.gateway.stop()
 
