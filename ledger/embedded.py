@@ -27,6 +27,7 @@ from ledger.nats import (
     CredentialsError,
     CredentialSet,
     NatsServer,
+    Role,
     connect_as,
     generate_credentials,
     load_credentials,
@@ -162,7 +163,8 @@ class EmbeddedStack:
         try:
             existing = load_credentials(self.creds_dir)
             names = {(i.role.value, i.name) for i in existing.identities}
-            if all(("executor", t) in names for t in tools) and ("host", DEMO_HOST) in names:
+            wanted = {(Role.EXECUTOR.value, t) for t in tools} | {(Role.HOST.value, DEMO_HOST)}
+            if wanted <= names:
                 return existing
         except CredentialsError:
             pass

@@ -24,6 +24,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
+from ledger.domain.errors import OperationNotFound
 from ledger.nats.security import reply_allowed
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
@@ -185,14 +186,8 @@ class LedgerService:
             return ProposeReply(operation_id=request.operation_id, error=error.to_info())
         if owner != host:
             # Another host's operation is reported exactly like a missing one.
-            return ProposeReply(
-                operation_id=request.operation_id,
-                error=ErrorInfo(
-                    code="OPERATION_NOT_FOUND",
-                    category=ErrorCategory.NOT_FOUND,
-                    message="no such operation",
-                ),
-            )
+            hidden = OperationNotFound("no such operation", operation_id=request.operation_id)
+            return ProposeReply(operation_id=request.operation_id, error=hidden.to_info())
         return status
 
     def _host_of(self, operation_id: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from executors.samples.email import count_sends
-from ledger.client import AgentHostClient
+from ledger.client import AgentHostClient, RequestRefused
 from ledger.nats import connect_as
 from schemas import (
     SCHEMA_DIR,
@@ -172,8 +172,16 @@ async def test_raw_nats_host_without_the_sdk(stack: Stack) -> None:
         await nc.close()
     other = await _host(stack, "h1")
     try:
-        with pytest.raises(Exception, match="no such operation"):
+        with pytest.raises(RequestRefused) as foreign:
             await other.status("op-raw-1")
+        with pytest.raises(RequestRefused) as missing:
+            await other.status("op-raw-2")
     finally:
         await other.close()
+    # Another host's operation is indistinguishable from one that does not exist.
+    assert foreign.value.info.model_dump(exclude={"safe_details"}) == missing.value.info.model_dump(
+        exclude={"safe_details"}
+    )
+    assert foreign.value.info.code == "OPERATION_NOT_FOUND"
+    assert set(foreign.value.info.safe_details) == set(missing.value.info.safe_details)
     assert ProposeReply.model_validate(answer).decision is not None
