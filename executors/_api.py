@@ -35,7 +35,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, TypeAlias, TypeVar
 
-from schemas import ErrorCategory, ErrorInfo, OpledgerError
+from schemas import ErrorCategory, OpledgerError
 
 __all__ = [
     "CheckFn",
@@ -83,17 +83,6 @@ class ToolError(OpledgerError):
         self.retryable = self.category.retryable_by_default if retryable is None else retryable
         self.retry_after_ms = retry_after_ms
         self.outcome_unknown = outcome_unknown
-
-    def to_info(self) -> ErrorInfo:
-        """This error as the wire's `ErrorInfo` (not yet redacted)."""
-        return ErrorInfo(
-            code=self.code,
-            category=self.category,
-            message=self.message,
-            retryable=self.retryable,
-            retry_after_ms=self.retry_after_ms,
-            safe_details=dict(self.safe_details),
-        )
 
 
 class PreconditionVerdict(StrEnum):

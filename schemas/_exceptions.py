@@ -20,6 +20,7 @@ class OpledgerError(Exception):
     category: ErrorCategory = ErrorCategory.INTERNAL
     code: str = "INTERNAL_ERROR"
     retryable: bool = False
+    retry_after_ms: int | None = None
 
     def __init__(self, message: str, **safe_details: Any) -> None:
         super().__init__(message)
@@ -33,7 +34,8 @@ class OpledgerError(Exception):
             category=self.category,
             message=self.message,
             retryable=self.retryable,
-            safe_details=self.safe_details,
+            retry_after_ms=self.retry_after_ms,
+            safe_details=dict(self.safe_details),
         )
 
     def to_envelope(self, **meta: Any) -> ErrorEnvelope:

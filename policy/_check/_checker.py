@@ -181,16 +181,7 @@ class ProposalChecker:
             outcome=(
                 DecisionOutcome.READY if requirement is None else DecisionOutcome.NEEDS_APPROVAL
             ),
-            proposal_id=proposal.proposal_id,
-            tool=contract.name,
-            tool_version=contract.version,
-            input_schema_hash=contract.input_schema_hash,
-            output_schema_hash=contract.output_schema_hash,
-            proposal_hash=hashed,
-            normalized_arguments=normalized,
-            applied_defaults=tuple(applied),
-            risk=risk,
-            risk_reasons=reasons,
+            **_checked(proposal, contract, normalized, applied, hashed, risk, reasons),
             approval=requirement,
             repair=self._repair_status(proposal, contract, exhausted=False),
         )
@@ -219,20 +210,35 @@ class ProposalChecker:
         exhausted = repairable and proposal.repair_attempt >= contract.max_repair_attempts
         return Decision(
             outcome=DecisionOutcome.REJECTED,
-            proposal_id=proposal.proposal_id,
-            tool=contract.name,
-            tool_version=contract.version,
-            input_schema_hash=contract.input_schema_hash,
-            output_schema_hash=contract.output_schema_hash,
-            proposal_hash=hashed,
-            normalized_arguments=normalized,
-            applied_defaults=tuple(applied),
-            risk=risk,
-            risk_reasons=reasons,
+            **_checked(proposal, contract, normalized, applied, hashed, risk, reasons),
             issues=tuple(issues),
             repair=self._repair_status(proposal, contract, exhausted=exhausted),
             category=issues[0].category,
         )
+
+
+def _checked(
+    proposal: ToolProposal,
+    contract: ToolContract,
+    normalized: dict[str, Any] | None,
+    applied: Sequence[str],
+    hashed: str | None,
+    risk: Any,
+    reasons: tuple[str, ...],
+) -> dict[str, Any]:
+    """The decision fields every checked proposal has, whatever the outcome."""
+    return {
+        "proposal_id": proposal.proposal_id,
+        "tool": contract.name,
+        "tool_version": contract.version,
+        "input_schema_hash": contract.input_schema_hash,
+        "output_schema_hash": contract.output_schema_hash,
+        "proposal_hash": hashed,
+        "normalized_arguments": normalized,
+        "applied_defaults": tuple(applied),
+        "risk": risk,
+        "risk_reasons": reasons,
+    }
 
 
 def _rejected(proposal_id: str, tool: str, issues: list[ValidationIssue]) -> Decision:
