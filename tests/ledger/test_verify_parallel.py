@@ -8,12 +8,15 @@ on or next to a chunk boundary. Runs on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 import pytest
 
 from ledger import FindingKind, Ledger, StorageConfig
+from ledger.audit import parallel
 from ledger.audit.verify import VerificationReport, verify_ledger
 from tests.ledger.helpers import ALICE, make_ledger, result, search
 
@@ -227,3 +230,35 @@ def test_workers_and_chunk_size_must_be_positive(ledger: Ledger) -> None:
         ledger.verify(chunk_size=0)
     with pytest.raises(ValueError, match="workers"):
         ledger.verify(workers=0)
+
+
+def test_a_read_error_reaches_the_caller_and_stops_the_reader(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = parallel._read_range
+    calls: list[tuple[Any, ...]] = []
+
+    def failing(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError("the disk is on fire")
+        return reads(*args)
+
+    monkeypatch.setattr(parallel, "_read_range", failing)
+    with pytest.raises(RuntimeError, match="on fire"):
+        ledger.verify(workers=1, chunk_size=5)
+    assert not [t for t in threading.enumerate() if t.name == "opledger-verify-reader"]
+
+
+def test_workers_are_forked_only_from_a_single_thread() -> None:
+    # A fork copies the locks other threads hold; with other threads, a fork server.
+    if threading.active_count() == 1:
+        assert parallel._start_method() == "fork"
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert parallel._start_method() == "forkserver"
+    finally:
+        stop.set()
+        other.join()
