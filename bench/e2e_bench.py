@@ -1,0 +1,918 @@
+"""End-to-end operations per second and latency for an auto-approved no-op tool.
+
+The embedded default stack, every part its own process, as in `tests/e2e`:
+nats-server with generated least-privilege credentials, the ledger service
+(`python -m ledger.server`, SQLite), and 1..n executors of the `noop` tool
+(`python -m executors run bench.noop_tool:noop`, contract
+`bench/contracts/noop.yaml`: pure read, approval never, no limits, low risk).
+This process is the agent host (`ledger.client.AgentHostClient`).
+
+Per configuration (executors x fetch batch) it measures:
+
+- throughput: `--ops` operations, `--concurrency` in flight, from the first
+  propose until every outcome is final;
+- latency at a fixed rate: `--rate` operations per second (a list: one phase
+  per rate) for `--duration` seconds; each latency runs from the operation's
+  *scheduled* start to its final outcome, so a stalled host loop counts
+  against it (no coordinated omission). A rate the stack cannot sustain is
+  flagged "overloaded": its latencies are then queueing time;
+- the baseline in the same run, on the same nats-server: a raw JetStream round
+  trip with no ledger (the bench publishes a work item to a work-queue stream,
+  `bench/raw_roundtrip_worker.py` in as many processes with the same fetch
+  batch fetches it, publishes a result to a results stream and waits for the
+  PubAck, then acks; the bench fetches the result), same two phases.
+
+Two host modes (`--host-modes`):
+
+- `sdk`: `host.propose(...)` then `host.outcome(op)`, the SDK's own path
+  (a subscription per operation plus one status request to the service);
+- `watch`: `host.propose(...)`, and one wildcard subscription on
+  `ops.outcome.<host>.>` made before the run delivers every outcome.
+
+During every phase the CPU time of every process is sampled from `/proc`,
+and printed as CPU milliseconds per operation, which says where an
+operation's cost goes. `--profile` runs the service and the executors under
+`bench/launcher.py` (cProfile on every thread) and prints the top functions;
+`--service-patches` / `--executor-patches` run them with experiments from
+`bench/launcher.py` that mimic proposed changes outside `bench/` (no file
+there is edited), to say what each change would gain.
+
+    python bench/e2e_bench.py [--ops 3000] [--concurrency 200] [--rate 200,20] \\
+        [--duration 10] [--executors 1,2] [--batch 1,16] [--host-modes watch,sdk] \\
+        [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
+        [--service-patches handlers=64,...] [--executor-patches exec-concurrent]
+
+Targets on the 2-core reference machine: at least 1,000 operations/s end to
+end, and p99 under 15 ms at 200 operations/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
+import orjson
+from nats.aio.client import Client
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from ledger import StorageConfig, build_ledger
+from ledger.client import AgentHostClient
+from ledger.nats import CredentialSet, NatsServer, connect_as, flush_all, generate_credentials
+from ledger.nats.security import new_user_seed
+from policy.catalog import CATALOG_DIR
+from schemas import RuntimeContext, StatusRequest, Subjects, ToolProposal
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+NOOP_CONTRACT = BENCH / "contracts" / "noop.yaml"
+HOST = "bench"
+TOOL = "noop"
+CONTEXT = RuntimeContext(principal="bench", tenant="acme")
+
+RAW_WORK_STREAM = "BENCH_RAW_WORK"
+RAW_WORK_SUBJECT = "bench.raw.work"
+RAW_WORK_CONSUMER = "raw_workers"
+RAW_RESULTS_STREAM = "BENCH_RAW_RESULTS"
+RAW_RESULT_SUBJECT = "bench.raw.result"
+RAW_RESULTS_CONSUMER = "raw_results"
+
+OUTCOME_TIMEOUT_S = 60.0
+"""Longest wait for one outcome; an operation slower than this counts as failed."""
+PROPOSE_TIMEOUT_S = 10.0
+"""The SDK's request timeout; it tries a proposal three times (idempotently)."""
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The nearest-rank `q` percentile (0..100) of already sorted values; NaN if empty."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+@dataclass
+class PhaseResult:
+    """One measured phase: how many operations, how long, their latencies (seconds)."""
+
+    name: str
+    ops: int
+    wall_s: float
+    failures: int
+    latencies: list[float]
+    cpu_ms_per_op: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ops_per_s(self) -> float:
+        """Successfully completed operations per second of wall time."""
+        return (self.ops - self.failures) / self.wall_s if self.wall_s > 0 else math.nan
+
+    def p(self, q: float) -> float:
+        """Latency percentile `q`, in milliseconds."""
+        return percentile(sorted(self.latencies), q) * 1000
+
+
+class Driver:
+    """One way of running a single operation end to end; `run_one` says if it succeeded."""
+
+    name = "driver"
+
+    async def start(self) -> None:
+        """Connect and subscribe."""
+
+    async def run_one(self, key: str) -> bool:  # pragma: no cover - interface
+        """Run operation `key` until its outcome is known."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Disconnect."""
+
+
+async def run_throughput(
+    driver: Driver, prefix: str, ops: int, concurrency: int, timeout_s: float
+) -> PhaseResult:
+    """`ops` operations with at most `concurrency` in flight; wall time until all are final."""
+    counter = itertools.count()
+    latencies: list[float] = []
+    failures = 0
+    loop = asyncio.get_running_loop()
+
+    async def worker() -> None:
+        nonlocal failures
+        while (index := next(counter)) < ops:
+            started = loop.time()
+            try:
+                ok = await driver.run_one(f"{prefix}-{index}")
+            except Exception:
+                ok = False
+            latencies.append(loop.time() - started)
+            failures += not ok
+
+    started = loop.time()
+    workers = [loop.create_task(worker()) for _ in range(min(concurrency, ops))]
+    await _bounded(workers, timeout_s)
+    # Operations never started or cut off by the timeout count as failures.
+    failures += ops - len(latencies)
+    return PhaseResult(driver.name, ops, loop.time() - started, failures, latencies)
+
+
+async def run_fixed_rate(
+    driver: Driver, prefix: str, rate: float, duration_s: float, timeout_s: float
+) -> PhaseResult:
+    """`rate` operations per second for `duration_s`; latency from each scheduled start."""
+    total = max(1, int(rate * duration_s))
+    latencies: list[float] = []
+    failures = 0
+    loop = asyncio.get_running_loop()
+
+    async def one(index: int, scheduled: float) -> None:
+        nonlocal failures
+        try:
+            ok = await driver.run_one(f"{prefix}-{index}")
+        except Exception:
+            ok = False
+        latencies.append(loop.time() - scheduled)
+        failures += not ok
+
+    tasks: list[asyncio.Task[None]] = []
+    first = loop.time() + 0.05
+    for index in range(total):
+        scheduled = first + index / rate
+        delay = scheduled - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(loop.create_task(one(index, scheduled)))
+    await _bounded(tasks, timeout_s)
+    failures += total - len(latencies)
+    return PhaseResult(driver.name, total, loop.time() - first, failures, latencies)
+
+
+async def _bounded(tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
+    """Wait for `tasks` at most `timeout_s`; cancel what is left (counted by the caller)."""
+    _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+        print(f"!! {len(pending)} tasks still running after {timeout_s:g} s; cancelled",
+              file=sys.stderr)
+
+
+# ------------------------------------------------------------------- processes
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads), from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return math.nan
+    fields = stat.rsplit(")", 1)[1].split()
+    # After the command name: state is field 3; utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stop(process: subprocess.Popen[bytes], name: str, timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; says so when a process had to be killed."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"!! {name} did not stop within {timeout_s:g} s of SIGTERM; killed",
+                  file=sys.stderr)
+            process.kill()
+            process.wait(timeout=5)
+    elif process.returncode:
+        print(f"!! {name} had exited early with {process.returncode}", file=sys.stderr)
+
+
+def _contracts_dir(home: Path) -> Path:
+    """The sample catalog plus `noop.yaml`, as an operator's contract directory."""
+    directory = home / "contracts"
+    directory.mkdir()
+    for contract in sorted(CATALOG_DIR.glob("*.yaml")):
+        shutil.copy(contract, directory / contract.name)
+    shutil.copy(NOOP_CONTRACT, directory / NOOP_CONTRACT.name)
+    return directory
+
+
+def _with_bench_user(credentials: CredentialSet, seed_path: Path) -> str:
+    """The server's authorization block plus one unrestricted NKey user for the baseline.
+
+    The raw round trip then runs on the very server the ledger uses, and
+    authenticates the same way (an NKey user), without touching the ledger's
+    own identities or their permissions.
+    """
+    seed = new_user_seed()
+    seed_path.write_bytes(seed + b"\n")
+    seed_path.chmod(0o600)
+    public_key = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    block = credentials.authorization_config
+    head, closing, tail = block.rpartition("  ]\n}")
+    assert closing and not tail.strip(), "unexpected authorization block layout"
+    user = (
+        "    {\n      # bench raw JetStream baseline\n"
+        f"      nkey: {json.dumps(public_key)}\n    }}\n"
+    )
+    return head + user + closing + tail
+
+
+@dataclass
+class Settings:
+    """What one stack runs with."""
+
+    executors: int
+    batch: int
+    tool: str
+    service_log_level: str
+    profile: bool
+    service_patches: tuple[str, ...] = ()
+    executor_patches: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """A short name for reports."""
+        label = f"exec={self.executors} batch={self.batch} tool={self.tool}"
+        if self.service_patches:
+            label += f" service-patches={','.join(self.service_patches)}"
+        if self.executor_patches:
+            label += f" executor-patches={','.join(self.executor_patches)}"
+        return label
+
+
+class Stack:
+    """nats-server, the ledger service, noop executors and raw workers, in one temp dir."""
+
+    def __init__(self, home: Path, settings: Settings) -> None:
+        self.home = home
+        self.settings = settings
+        self.server: NatsServer | None = None
+        self.credentials: CredentialSet | None = None
+        self.bench_seed = home / "bench-raw.nk"
+        self.contracts = _contracts_dir(home)
+        self.service: subprocess.Popen[bytes] | None = None
+        self.executors: list[subprocess.Popen[bytes]] = []
+        self.raw_workers: list[subprocess.Popen[bytes]] = []
+        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )}
+
+    @property
+    def url(self) -> str:
+        """The nats-server client URL."""
+        assert self.server is not None
+        return self.server.url
+
+    def _spawn(
+        self, module: str, args: list[str], log_name: str, patches: Sequence[str]
+    ) -> subprocess.Popen[bytes]:
+        """`python -m module args`, or through `bench/launcher.py` to profile or patch it."""
+        log = (self.home / f"{log_name}.log").open("wb")
+        options = [option for patch in patches for option in ("--patch", patch)]
+        if self.settings.profile:
+            options += ["--profile", str(self.home / f"prof-{log_name}")]
+        if options:
+            command = [sys.executable, str(BENCH / "launcher.py"), *options, "-m", module, *args]
+        else:
+            command = [sys.executable, "-m", module, *args]
+        # cwd and PYTHONPATH at the repository root: `bench.noop_tool` must import.
+        return subprocess.Popen(command, cwd=REPO, env=self._env, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def log(self, name: str) -> str:
+        """The tail of one process log, for error messages."""
+        path = self.home / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    async def start(self) -> None:
+        """Start every process and wait until each is serving."""
+        self.credentials = generate_credentials(
+            self.home / "creds", hosts=(HOST,), tools=(TOOL,), auditors=("auditor",)
+        )
+        self.server = NatsServer(
+            self.home / "nats",
+            authorization=_with_bench_user(self.credentials, self.bench_seed),
+        )
+        self.server.start()
+        self.service = self._spawn(
+            "ledger.server",
+            [
+                "--database", str(self.home / "ledger.db"),
+                "--nats-url", self.url,
+                "--creds", str(self.credentials.ledger.seed_path),
+                "--contracts", str(self.contracts),
+                "--tools", TOOL,
+                "--ack-wait", "30",
+                "--lease-grace", "5",
+                "--log-level", self.settings.service_log_level,
+            ],
+            "service",
+            self.settings.service_patches,
+        )
+        await self._wait_for_service()
+        for index in range(self.settings.executors):
+            self.executors.append(self._spawn(
+                "executors",
+                [
+                    "run", f"bench.noop_tool:{self.settings.tool}",
+                    "--creds", str(self.credentials.executor(TOOL).seed_path),
+                    "--nats-url", self.url,
+                    "--contracts", str(self.contracts),
+                    "--name", f"noop-{index}",
+                    "--batch", str(self.settings.batch),
+                ],
+                f"exec-{index}",
+                self.settings.executor_patches,
+            ))
+        await self._declare_raw_topology()
+        for index in range(self.settings.executors):
+            log = (self.home / f"raw-{index}.log").open("wb")
+            self.raw_workers.append(subprocess.Popen(
+                [
+                    sys.executable, str(BENCH / "raw_roundtrip_worker.py"),
+                    "--nats-url", self.url, "--seed", str(self.bench_seed),
+                    "--stream", RAW_WORK_STREAM, "--consumer", RAW_WORK_CONSUMER,
+                    "--result-subject", RAW_RESULT_SUBJECT,
+                    "--batch", str(self.settings.batch), "--name", f"raw-{index}",
+                    # The baseline handles items the way the executors do.
+                    *(["--concurrent"] if "exec-concurrent" in self.settings.executor_patches
+                      else []),
+                ],
+                cwd=REPO, env=self._env, stdout=log, stderr=subprocess.STDOUT,
+            ))
+        for index in range(self.settings.executors):
+            await self._wait_for_line(f"exec-{index}", "runs noop@", self.executors[index])
+
+    async def _wait_for_service(self, timeout_s: float = 30.0) -> None:
+        assert self.credentials is not None and self.service is not None
+        deadline = time.monotonic() + timeout_s
+        request = StatusRequest(operation_id="probe").model_dump_json().encode()
+        while time.monotonic() < deadline:
+            if self.service.poll() is not None:
+                raise RuntimeError(f"ledger service exited:\n{self.log('service')}")
+            nc = await connect_as(self.url, self.credentials.host(HOST),
+                                  allow_reconnect=False, connect_timeout=2)
+            try:
+                await nc.request(Subjects.status(HOST), request, timeout=1)
+                return
+            except Exception:
+                await asyncio.sleep(0.2)
+            finally:
+                await nc.close()
+        raise RuntimeError(f"ledger service did not answer:\n{self.log('service')}")
+
+    async def _wait_for_line(
+        self, name: str, text: str, process: subprocess.Popen[bytes], timeout_s: float = 30.0
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{self.log(name)}")
+            if text in self.log(name):
+                return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{name} did not start:\n{self.log(name)}")
+
+    async def _declare_raw_topology(self) -> None:
+        # The same stream kinds and consumer settings as ledger.nats.topology
+        # declares for OPS_WORK / OPS_RESULTS, on other subjects.
+        nc = await nats.connect(self.url, nkeys_seed=str(self.bench_seed))
+        try:
+            js = nc.jetstream()
+            for stream, subject, retention, consumer in (
+                (RAW_WORK_STREAM, RAW_WORK_SUBJECT, RetentionPolicy.WORK_QUEUE, RAW_WORK_CONSUMER),
+                (RAW_RESULTS_STREAM, RAW_RESULT_SUBJECT, RetentionPolicy.LIMITS,
+                 RAW_RESULTS_CONSUMER),
+            ):
+                await js.add_stream(StreamConfig(
+                    name=stream, subjects=[subject], retention=retention,
+                    storage=StorageType.FILE, duplicate_window=120,
+                ))
+                await js.add_consumer(stream, ConsumerConfig(
+                    name=consumer, durable_name=consumer, filter_subject=subject,
+                    ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                    ack_wait=30, max_deliver=10,
+                ))
+        finally:
+            await nc.close()
+
+    def pids(self) -> dict[str, list[int]]:
+        """Process IDs by component, for CPU accounting."""
+        assert self.server is not None and self.service is not None
+        return {
+            "nats-server": [self.server.pid] if self.server.pid else [],
+            "service": [self.service.pid],
+            "executors": [p.pid for p in self.executors],
+            "raw-workers": [p.pid for p in self.raw_workers],
+        }
+
+    def stop(self) -> None:
+        """Stop everything this stack started (workers first, the server last)."""
+        for index, process in enumerate(self.raw_workers):
+            _stop(process, f"raw-{index}")
+        for index, process in enumerate(self.executors):
+            _stop(process, f"exec-{index}")
+        if self.service is not None:
+            # Its shutdown sometimes waits out nats-py's 30 s drain timeout; a
+            # profiled service must get that long, or it dies before writing.
+            _stop(self.service, "service", 45.0 if self.settings.profile else 15.0)
+        if self.server is not None:
+            self.server.stop()
+
+
+# --------------------------------------------------------------------- drivers
+
+
+class LedgerDriver(Driver):
+    """Operations through the ledger: propose, then wait for the final outcome."""
+
+    def __init__(self, stack: Stack, mode: str) -> None:
+        self.stack = stack
+        self.mode = mode
+        self.name = f"ledger/{mode}"
+        self._nc: Client | None = None
+        self._host: AgentHostClient | None = None
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self.timeline: dict[str, tuple[float, float]] | None = None
+        """Set to a dict to record (sent, outcome received) wall-clock times per operation."""
+
+    async def start(self) -> None:
+        """Connect as the bench host; in `watch` mode subscribe to all its outcomes."""
+        assert self.stack.credentials is not None
+        self._nc = await connect_as(self.stack.url, self.stack.credentials.host(HOST))
+        self._host = AgentHostClient(self._nc, HOST, timeout=PROPOSE_TIMEOUT_S)
+        if self.mode == "watch":
+            await self._nc.subscribe(f"ops.outcome.{HOST}.>", cb=self._on_outcome)
+            await flush_all(self._nc)  # subscribed before the first proposal goes out
+
+    async def _on_outcome(self, message: Any) -> None:
+        future = self._waiting.pop(message.subject.rsplit(".", 1)[-1], None)
+        if future is not None and not future.done():
+            future.set_result(message.data)
+
+    async def run_one(self, key: str) -> bool:
+        """Propose `noop` and wait until the operation is final; True if it succeeded."""
+        sent = time.time()
+        ok = await self._run_one(key)
+        if self.timeline is not None and ok:
+            self.timeline[f"op-{key}"] = (sent, time.time())
+        return ok
+
+    async def _run_one(self, key: str) -> bool:
+        assert self._host is not None
+        operation_id = f"op-{key}"
+        proposal = ToolProposal(
+            proposal_id=f"p-{key}", conversation_id="c-bench", requested_by_user_id="bench",
+            tool_name=TOOL, arguments={"n": 1}, operation_id=operation_id,
+        )
+        if self.mode == "sdk":
+            reply = await self._host.propose(proposal, CONTEXT)
+            if reply.state != "ready":
+                return False
+            status = await self._host.outcome(operation_id, timeout=OUTCOME_TIMEOUT_S)
+            return status.state == "succeeded"
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[operation_id] = future
+        try:
+            reply = await self._host.propose(proposal, CONTEXT)
+            if reply.state != "ready":
+                return False
+            data = await asyncio.wait_for(future, OUTCOME_TIMEOUT_S)
+        finally:
+            self._waiting.pop(operation_id, None)
+        return bool(orjson.loads(data)["state"] == "succeeded")
+
+    async def close(self) -> None:
+        """Drain the host connection (close it if draining takes too long)."""
+        if self._nc is not None:
+            try:
+                await self._nc.drain()
+            except Exception:
+                await self._nc.close()
+
+
+class RawDriver(Driver):
+    """The baseline: a work item through JetStream to a raw worker and its result back."""
+
+    name = "raw-jetstream"
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self._nc: Client | None = None
+        self._js: Any = None
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+        self._closing = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Connect as the bench user and start consuming results (as the service does)."""
+        self._nc = await nats.connect(self.stack.url, nkeys_seed=str(self.stack.bench_seed))
+        self._js = self._nc.jetstream()
+        subscription = await self._js.pull_subscribe_bind(
+            RAW_RESULTS_CONSUMER, stream=RAW_RESULTS_STREAM
+        )
+        self._task = asyncio.get_running_loop().create_task(self._consume(subscription))
+
+    async def _consume(self, subscription: Any) -> None:
+        # Like LedgerService._consume_results: fetch up to 256, ack each.
+        while not self._closing.is_set():
+            try:
+                messages = await subscription.fetch(256, timeout=1)
+            except TimeoutError:  # nats-py raises its own and, at times, the bare one
+                continue
+            for message in messages:
+                future = self._waiting.pop(orjson.loads(message.data)["operation_id"], None)
+                if future is not None and not future.done():
+                    future.set_result(None)
+                await message.ack()
+
+    async def run_one(self, key: str) -> bool:
+        """Publish one work item (PubAck awaited, as the relay does) and await its result."""
+        item_id = f"raw-{key}"
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[item_id] = future
+        payload = orjson.dumps(
+            {"id": item_id, "tool": "raw", "tool_version": "1.0.0", "attempt": 1}
+        )
+        try:
+            await self._js.publish(RAW_WORK_SUBJECT, payload, headers={"Nats-Msg-Id": item_id})
+            await asyncio.wait_for(future, OUTCOME_TIMEOUT_S)
+        finally:
+            self._waiting.pop(item_id, None)
+        return True
+
+    async def close(self) -> None:
+        """Stop consuming and disconnect."""
+        self._closing.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 5)
+        if self._nc is not None:
+            await self._nc.drain()
+
+
+# ------------------------------------------------------------------- breakdown
+
+STAGES = (
+    ("host -> submit", "the proposal's trip to the service, its queue, up to the check"),
+    ("submit -> lease", "submit commit, relay publishes the work item, executor fetch + lease"),
+    ("lease -> result", "lease commit, tool run, result publish, service fetch, record"),
+    ("result -> host", "result commit, relay reads it and announces the outcome"),
+)
+"""Where one operation's latency goes, cut at the ledger's own event timestamps."""
+
+
+def latency_breakdown(
+    stack: Stack, timeline: dict[str, tuple[float, float]], limit: int = 2000
+) -> dict[str, list[float]]:
+    """Per stage, the durations (seconds) of the operations in `timeline`.
+
+    The cuts are the timestamps the service put on Readied (taken when the
+    check starts), LeaseClaimed and Succeeded, against the host's wall clock
+    when it sent the proposal and when the outcome arrived: one machine, one
+    clock. Read from the database after the phase, through a second handle,
+    as the e2e tests inspect it.
+    """
+    ledger = build_ledger(StorageConfig.sqlite(stack.home / "ledger.db"),
+                          contracts_dir=stack.contracts)
+    stages: dict[str, list[float]] = {name: [] for name, _ in STAGES}
+    try:
+        for operation_id, (sent, received) in itertools.islice(timeline.items(), limit):
+            at = {type(e).__name__: e.timestamp.timestamp() for e in ledger.history(operation_id)}
+            if not {"Readied", "LeaseClaimed", "Succeeded"} <= at.keys():
+                continue
+            cuts = (sent, at["Readied"], at["LeaseClaimed"], at["Succeeded"], received)
+            for (name, _), start, end in zip(STAGES, cuts, cuts[1:], strict=False):
+                stages[name].append(end - start)
+    finally:
+        ledger.close()
+    return stages
+
+
+# ------------------------------------------------------------------------ runs
+
+
+@dataclass
+class ConfigReport:
+    """Every phase of one stack configuration."""
+
+    settings: Settings
+    phases: dict[str, PhaseResult] = field(default_factory=dict)
+    breakdowns: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+
+async def _with_cpu(
+    stack: Stack, ops: int, measure: Callable[[], Awaitable[PhaseResult]]
+) -> PhaseResult:
+    """Run `measure` and attach CPU milliseconds per operation of each component."""
+    pids = stack.pids()
+    before = {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
+    bench_before = time.process_time()
+    result = await measure()
+    after = {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
+    result.cpu_ms_per_op = {
+        name: (after[name] - before[name]) * 1000 / ops for name in pids if pids[name]
+    }
+    result.cpu_ms_per_op["bench (host)"] = (time.process_time() - bench_before) * 1000 / ops
+    return result
+
+
+async def _quiesce(stack: Stack, timeout_s: float = 180.0, window_s: float = 0.5) -> None:
+    """Wait until the service and executors are (nearly) idle, so phases do not overlap.
+
+    A host that gave up on a proposal leaves it queued in NATS for the
+    service, which works through it after the phase ended; measuring the next
+    phase meanwhile would charge that work to it.
+    """
+    assert stack.service is not None
+    pids = [stack.service.pid, *(p.pid for p in stack.executors)]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = sum(cpu_seconds(pid) for pid in pids)
+        await asyncio.sleep(window_s)
+        busy = (sum(cpu_seconds(pid) for pid in pids) - before) / window_s
+        if busy < 0.05:  # under 5 % of one core: idle polling only
+            return
+    print(f"!! the stack was still busy after {timeout_s:g} s; measuring anyway", file=sys.stderr)
+
+
+async def run_config(settings: Settings, args: argparse.Namespace, root: Path) -> ConfigReport:
+    """Start one stack, run every phase on it, stop it."""
+    home = Path(tempfile.mkdtemp(prefix="stack-", dir=root))
+    stack = Stack(home, settings)
+    report = ConfigReport(settings)
+    tag = home.name.rsplit("-", 1)[-1]
+    try:
+        await stack.start()
+        # The baseline first, on a quiet stack: an overloaded ledger phase can
+        # leave the service busy with queued requests for a while.
+        drivers: list[Driver] = [RawDriver(stack)]
+        drivers += [LedgerDriver(stack, mode) for mode in args.host_modes]
+        for driver in drivers:
+            await driver.start()
+            try:
+                prefix = f"{driver.name.replace('/', '_')}-{tag}"
+                # Warm-up: imports, caches, consumer state, SQLite pages; not measured.
+                await run_throughput(driver, f"{prefix}-warm", args.warmup, 50, 120)
+                await _quiesce(stack)
+                result = await _with_cpu(stack, args.ops, lambda d=driver, p=prefix: (
+                    run_throughput(d, f"{p}-tp", args.ops, args.concurrency,
+                                   max(300.0, args.ops / 5))
+                ))
+                report.phases[f"{driver.name} throughput"] = result
+                for rate in args.rate:
+                    await _quiesce(stack)
+                    total = max(1, int(rate * args.duration))
+                    if isinstance(driver, LedgerDriver):
+                        driver.timeline = {}
+                    phase = f"{driver.name} @{rate:g}/s"
+                    report.phases[phase] = await _with_cpu(
+                        stack, total, lambda d=driver, p=prefix, r=rate: run_fixed_rate(
+                            d, f"{p}-rate{r:g}", r, args.duration,
+                            args.duration + PROPOSE_TIMEOUT_S * 3 + OUTCOME_TIMEOUT_S + 30,
+                        ),
+                    )
+                    if isinstance(driver, LedgerDriver) and driver.timeline:
+                        await _quiesce(stack)  # reading the database is not measured
+                        report.breakdowns[phase] = latency_breakdown(stack, driver.timeline)
+                        driver.timeline = None
+            finally:
+                await driver.close()
+    except Exception:
+        print(f"!! {settings.label}: failed; service log tail:\n{stack.log('service')}",
+              file=sys.stderr)
+        for index in range(len(stack.executors)):
+            print(f"!! exec-{index} log tail:\n{stack.log(f'exec-{index}')}", file=sys.stderr)
+        raise
+    finally:
+        stack.stop()
+    if settings.profile:
+        _print_profiles(home, args.profile_top)
+    return report
+
+
+def _print_profiles(home: Path, top: int) -> None:
+    """The heaviest functions (own time) of each profiled thread that did real work."""
+    for directory in sorted(home.glob("prof-*")):
+        for path in sorted(directory.glob("*.prof")):
+            stats = pstats.Stats(str(path))
+            total = getattr(stats, "total_tt", 0.0)
+            if total < 0.5:  # idle pool threads and the like
+                continue
+            print(f"\n--- profile {directory.name}/{path.stem}: {total:.2f} s on this thread")
+            stats.sort_stats("tottime").print_stats(top)
+
+
+def _fmt(value: float, width: int = 8, digits: int = 1) -> str:
+    return f"{value:{width}.{digits}f}"
+
+
+def _overloaded(phase: PhaseResult, rate: float) -> bool:
+    """A fixed-rate phase the stack could not keep up with (so its latencies are queueing)."""
+    return phase.failures > 0 or phase.ops_per_s < 0.95 * rate
+
+
+def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
+    """One block per configuration: each phase, CPU per operation, then ledger/raw ratios."""
+    print(f"\n=== {report.settings.label} (service log level {report.settings.service_log_level})")
+    print(f"  {'phase':<34} {'ops/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'fail':>5}")
+    for name, phase in report.phases.items():
+        worst = max(phase.latencies, default=math.nan) * 1000
+        rate = float(name.rsplit("@", 1)[1][:-2]) if "@" in name else None
+        note = "  overloaded" if rate is not None and _overloaded(phase, rate) else ""
+        print(f"  {name:<34} {_fmt(phase.ops_per_s)} {_fmt(phase.p(50), digits=2)} "
+              f"{_fmt(phase.p(99), digits=2)} {_fmt(worst)} {phase.failures:>5}{note}")
+    for name, phase in report.phases.items():
+        if phase.cpu_ms_per_op:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in phase.cpu_ms_per_op.items())
+            total = sum(v for v in phase.cpu_ms_per_op.values() if not math.isnan(v))
+            print(f"  CPU ms/op, {name}: {parts} (total {total:.2f})")
+    for name, stages in report.breakdowns.items():
+        parts = ", ".join(
+            f"{stage} {percentile(sorted(values), 50) * 1000:.1f}/"
+            f"{percentile(sorted(values), 99) * 1000:.1f}"
+            for stage, values in stages.items()
+        )
+        print(f"  latency by stage p50/p99 ms, {name}: {parts}")
+    raw_tp = report.phases.get("raw-jetstream throughput")
+    for mode in args.host_modes:
+        tp = report.phases.get(f"ledger/{mode} throughput")
+        if tp and raw_tp:
+            print(f"  ratio ledger/{mode} to raw: throughput {tp.ops_per_s / raw_tp.ops_per_s:.3f}")
+        for rate in args.rate:
+            phase = report.phases.get(f"ledger/{mode} @{rate:g}/s")
+            raw = report.phases.get(f"raw-jetstream @{rate:g}/s")
+            if phase and raw:
+                print(f"  ratio ledger/{mode} to raw at {rate:g}/s: p50 "
+                      f"{phase.p(50) / raw.p(50):.1f}, p99 {phase.p(99) / raw.p(99):.1f}")
+        at_200 = report.phases.get(f"ledger/{mode} @200/s")
+        if tp:
+            verdict = "met" if tp.ops_per_s >= 1000 else "MISSED"
+            print(f"  target ledger/{mode} >= 1000 ops/s: {verdict} ({tp.ops_per_s:.0f})", end="")
+            if at_200:
+                verdict = "met" if at_200.p(99) < 15 and not _overloaded(at_200, 200) else "MISSED"
+                print(f"; p99 < 15 ms at 200/s: {verdict} ({at_200.p(99):.1f} ms)", end="")
+            print()
+
+
+def print_summary(reports: Sequence[ConfigReport], args: argparse.Namespace) -> None:
+    """One line per configuration and host mode, for comparing runs."""
+    print("\n=== summary (ops/s; latency p50/p99 ms; ratio = ledger / raw)")
+    for report in reports:
+        raw_tp = report.phases.get("raw-jetstream throughput")
+        for mode in args.host_modes:
+            tp = report.phases.get(f"ledger/{mode} throughput")
+            if not tp or not raw_tp:
+                continue
+            line = (f"  {report.settings.label} {mode:>5}: {tp.ops_per_s:7.1f} ops/s "
+                    f"(raw {raw_tp.ops_per_s:7.1f}, ratio {tp.ops_per_s / raw_tp.ops_per_s:.3f})")
+            for rate in args.rate:
+                phase = report.phases.get(f"ledger/{mode} @{rate:g}/s")
+                raw = report.phases.get(f"raw-jetstream @{rate:g}/s")
+                if phase and raw:
+                    flag = "!" if _overloaded(phase, rate) else ""
+                    line += (f" | @{rate:g}/s{flag} {phase.p(50):.1f}/{phase.p(99):.1f}"
+                             f" (raw {raw.p(50):.1f}/{raw.p(99):.1f})")
+            print(line)
+    print("  (! = the stack could not sustain that rate: latencies are queueing, failures counted)")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", type=int, default=3000, help="operations in the throughput run")
+    parser.add_argument("--concurrency", type=int, default=200, help="operations in flight")
+    parser.add_argument("--rate", type=lambda t: [float(r) for r in t.split(",") if r],
+                        default=[200.0], help="operations/s of the latency runs, e.g. 200,20")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds, latency run")
+    parser.add_argument("--warmup", type=int, default=200, help="unmeasured operations first")
+    parser.add_argument("--executors", type=_ints, default=[1, 2],
+                        help="executor (and raw worker) process counts to try, e.g. 1,2")
+    parser.add_argument("--batch", type=_ints, default=[1, 16],
+                        help="executor fetch batch sizes to try (--batch), e.g. 1,16")
+    parser.add_argument("--host-modes", type=lambda s: [m for m in s.split(",") if m],
+                        default=["watch", "sdk"], help="watch and/or sdk")
+    parser.add_argument("--tool", choices=["noop", "noop_sync"], default="noop",
+                        help="async tool, or a plain function run in a worker thread")
+    parser.add_argument("--service-log-level", default="INFO",
+                        help="the service's --log-level (INFO is its default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the service and executors (slows them down)")
+    parser.add_argument("--service-patches", type=_names, default=(),
+                        help="experiments from bench/launcher.py PATCHES for the service, "
+                        "e.g. handlers=64,results-timeout (not fixes: what a fix would gain)")
+    parser.add_argument("--executor-patches", type=_names, default=(),
+                        help="experiments for the executors, e.g. exec-concurrent")
+    parser.add_argument("--profile-top", type=int, default=25)
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, db)")
+    return parser
+
+
+async def _main(args: argparse.Namespace, root: Path) -> None:
+    reports = []
+    for executors, batch in itertools.product(args.executors, args.batch):
+        settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
+                            args.service_patches, args.executor_patches)
+        reports.append(await run_config(settings, args, root))
+        print_report(reports[-1], args)
+        sys.stdout.flush()
+    print_summary(reports, args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run every configuration and print the reports."""
+    args = build_parser().parse_args(argv)
+    if any(mode not in ("watch", "sdk") for mode in args.host_modes):
+        print("error: --host-modes takes watch and/or sdk", file=sys.stderr)
+        return 2
+    rates = ", ".join(f"{rate:g}" for rate in args.rate)
+    print(f"e2e bench: {args.ops} ops x {args.concurrency} in flight; {rates} ops/s for "
+          f"{args.duration:g} s; {os.cpu_count()} CPUs; python {sys.version.split()[0]}")
+    root = Path(tempfile.mkdtemp(prefix="opledger-e2e-bench-"))
+    try:
+        asyncio.run(_main(args, root))
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""The worker of the raw JetStream baseline in `bench/e2e_bench.py`: no ledger at all.
+
+It does what an executor does on the wire and nothing else: fetch work items
+from a durable pull consumer (`--batch` at a time), publish a result to a
+results stream and wait for its PubAck, then ack the work item; items of one
+fetch one after another, as `executors._runner.ExecutorRunner` handles them.
+So the round trip it gives is the JetStream floor under one operation, in the
+same process layout (a separate process) as the real executor. With
+`--concurrent` the items of one fetch run concurrently instead, mirroring the
+`exec-concurrent` experiment of `bench/launcher.py`.
+
+    python bench/raw_roundtrip_worker.py --nats-url URL --seed FILE --stream S \\
+        --consumer C --result-subject SUBJ [--batch 1] [--max-seconds 900]
+
+Stops on SIGTERM/SIGINT, or after `--max-seconds` in any case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import time
+from typing import Any
+
+import nats
+import orjson
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nats-url", required=True)
+    parser.add_argument("--seed", required=True, help="NKey seed file of the bench user")
+    parser.add_argument("--stream", required=True)
+    parser.add_argument("--consumer", required=True)
+    parser.add_argument("--result-subject", required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--name", default="raw-worker")
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--concurrent", action="store_true",
+                        help="handle the items of one fetch concurrently (as the "
+                        "exec-concurrent experiment makes the executor do)")
+    return parser
+
+
+async def _handle(js: Any, args: argparse.Namespace, message: Any) -> None:
+    """One item: a result published (PubAck awaited), then the item acked."""
+    item = orjson.loads(message.data)
+    # About the size of a real result envelope, built per item.
+    result = orjson.dumps(
+        {
+            "operation_id": item["id"],
+            "ok": True,
+            "data": {"ok": True},
+            "provenance": {"tool": "raw", "executor": args.name, "attempt": 1},
+        }
+    )
+    await js.publish(args.result_subject, result, headers={"Nats-Msg-Id": f"r-{item['id']}"})
+    await message.ack()
+
+
+async def _work(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await nats.connect(args.nats_url, nkeys_seed=args.seed, name=args.name)
+    handled = 0
+    try:
+        js = nc.jetstream()
+        sub = await js.pull_subscribe_bind(args.consumer, stream=args.stream)
+        deadline = time.monotonic() + args.max_seconds
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                # A short fetch timeout only so that a stop is noticed quickly;
+                # a fetch returns as soon as any item is there.
+                messages = await sub.fetch(args.batch, timeout=1.0)
+            except TimeoutError:  # nats-py raises its own and, at times, the bare one
+                continue
+            if args.concurrent:
+                await asyncio.gather(*(_handle(js, args, message) for message in messages))
+            else:
+                for message in messages:
+                    await _handle(js, args, message)
+            handled += len(messages)
+    finally:
+        # Not drain(): draining a pull subscription waits out its pending
+        # fetch requests. Every ack was already written; flush sends them.
+        with contextlib.suppress(Exception):
+            await nc.flush(timeout=2)
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return handled
+
+
+def main() -> int:
+    """Run the worker until a signal or `--max-seconds`; exit code 0."""
+    asyncio.run(_work(_parser().parse_args()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
