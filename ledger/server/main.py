@@ -21,6 +21,7 @@ from typing import Any
 
 from ledger.adapters.storage import StorageConfig
 from ledger.bootstrap import build_ledger
+from ledger.config import ConfigError, Settings
 from ledger.nats.topology import declare_topology
 from ledger.server.app import LedgerService, ServiceOptions
 from schemas import OpledgerError, inbox_prefix
@@ -33,12 +34,20 @@ _log = logging.getLogger("opledger.service")
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ledger service."""
     parser = argparse.ArgumentParser(prog="opledger serve", description=__doc__.split("\n")[0])
-    parser.add_argument("--database", required=True, help="SQLite file, or a postgresql:// DSN")
-    parser.add_argument("--postgres-schema", default="")
-    parser.add_argument("--nats-url", required=True)
-    parser.add_argument("--creds", type=Path, help="the ledger identity's NKey seed file")
+    parser.add_argument(
+        "--database", help="SQLite file, or a postgresql:// DSN (default: OPLEDGER_DATABASE)"
+    )
+    parser.add_argument("--postgres-schema", default=None)
+    parser.add_argument("--nats-url", help="default: OPLEDGER_NATS_URL")
+    parser.add_argument(
+        "--creds",
+        type=Path,
+        help="the ledger identity's NKey seed file"
+        " (default: <OPLEDGER_CREDS_DIR>/ledger-<name>.nk, if it exists)",
+    )
     parser.add_argument("--name", default="ledger", help="the ledger identity's name")
-    parser.add_argument("--contracts", type=Path, help="contract directory (default: samples)")
+    parser.add_argument("--contracts", type=Path,
+                        help="contract directory (default: OPLEDGER_CONTRACTS_DIR, else samples)")
     parser.add_argument("--tools", default="", help="comma-separated tools to declare work for")
     parser.add_argument(
         "--plugins",
@@ -53,6 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-addr", default="127.0.0.1")
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+def _fill_from_settings(args: argparse.Namespace) -> None:
+    """Flags first; what they leave unset comes from `OPLEDGER_*` and `opledger.toml`."""
+    settings = Settings()
+    args.database = args.database or settings.database
+    if args.postgres_schema is None:
+        args.postgres_schema = settings.postgres_schema
+    args.nats_url = args.nats_url or settings.nats_url
+    if args.contracts is None:
+        args.contracts = settings.contracts_dir
+    if args.creds is None and settings.creds_dir is not None:
+        seed = Path(settings.creds_dir) / f"ledger-{args.name}.nk"
+        args.creds = seed if seed.exists() else None
+    if not args.nats_url:
+        raise ConfigError("no NATS URL: give --nats-url or set OPLEDGER_NATS_URL")
 
 
 def _plugins(spec: str) -> tuple[Any, Any]:
@@ -80,6 +105,11 @@ async def _serve(service: LedgerService) -> None:
 def run_service_main(argv: Sequence[str] | None = None) -> int:
     """Run the ledger service; the process exit code."""
     args = build_parser().parse_args(argv)
+    try:
+        _fill_from_settings(args)
+    except OpledgerError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
