@@ -55,67 +55,123 @@ def _one_pass(
             continue
         if not isinstance(state, dict):  # the old pass crashed here; now it is a finding
             findings.append(
-                Finding(K.MODIFIED, position, operation, version,
-                        "stored state is not a JSON object")
+                Finding(
+                    K.MODIFIED, position, operation, version, "stored state is not a JSON object"
+                )
             )
             continue
         if state.get("originator_id") != operation or state.get("originator_version") != version:
             findings.append(
-                Finding(K.MISLABELED, position, operation, version,
-                        "row and stored event disagree on operation or version")
+                Finding(
+                    K.MISLABELED,
+                    position,
+                    operation,
+                    version,
+                    "row and stored event disagree on operation or version",
+                )
             )
         event_hash = stored_event_hash(topic, stored)
         previous_version = last_version.get(operation, 0)
         if version != previous_version + 1:
             findings.append(
-                Finding(K.VERSION_GAP, position, operation, version,
-                        f"expected version {previous_version + 1} after {previous_version}")
+                Finding(
+                    K.VERSION_GAP,
+                    position,
+                    operation,
+                    version,
+                    f"expected version {previous_version + 1} after {previous_version}",
+                )
             )
         elif state.get("prev_hash") != last_hash.get(operation, GENESIS_HASH):
             findings.append(
-                Finding(K.CHAIN_BROKEN, position, operation, version,
-                        "prev_hash is not the hash of the event before it")
+                Finding(
+                    K.CHAIN_BROKEN,
+                    position,
+                    operation,
+                    version,
+                    "prev_hash is not the hash of the event before it",
+                )
             )
         last_hash[operation] = event_hash
         last_version[operation] = version
         seal_row = sealed.get(position)
         if seal_row is None:
             if position <= 0:
-                findings.append(Finding(K.INSERTED, position, operation, version,
-                                        "a stored event is outside the notification order"))
+                findings.append(
+                    Finding(
+                        K.INSERTED,
+                        position,
+                        operation,
+                        version,
+                        "a stored event is outside the notification order",
+                    )
+                )
             elif position <= last_sealed:
-                findings.append(Finding(K.INSERTED, position, operation, version,
-                                        "event is not in the sealed digest chain"))
+                findings.append(
+                    Finding(
+                        K.INSERTED,
+                        position,
+                        operation,
+                        version,
+                        "event is not in the sealed digest chain",
+                    )
+                )
             else:
                 report.unsealed_events += 1
         elif seal_row[3] != event_hash:
             elsewhere = sealed_position_of_hash.get(event_hash)
             if elsewhere is not None and elsewhere != position:
-                findings.append(Finding(K.REORDERED, position, operation, version,
-                                        f"this event was sealed at #{elsewhere}"))
+                findings.append(
+                    Finding(
+                        K.REORDERED,
+                        position,
+                        operation,
+                        version,
+                        f"this event was sealed at #{elsewhere}",
+                    )
+                )
             else:
-                findings.append(Finding(K.MODIFIED, position, operation, version,
-                                        "event hash differs from the sealed hash"))
+                findings.append(
+                    Finding(
+                        K.MODIFIED,
+                        position,
+                        operation,
+                        version,
+                        "event hash differs from the sealed hash",
+                    )
+                )
     report.events_checked = len(seen_ids)
     report.sealed_events = (
-        report.events_checked - report.unsealed_events
+        report.events_checked
+        - report.unsealed_events
         - sum(1 for f in findings if f.kind is K.INSERTED)
     )
     digest = GENESIS_HASH
     for notification_id, operation, version, sealed_hash, running in seal:
         if notification_id not in seen_ids:
-            findings.append(Finding(K.DELETED, notification_id, operation, version,
-                                    "a sealed event is missing"))
+            findings.append(
+                Finding(K.DELETED, notification_id, operation, version, "a sealed event is missing")
+            )
         digest = chain_digest(digest, sealed_hash)
         if running != digest:
-            findings.append(Finding(K.MODIFIED, notification_id, operation, version,
-                                    "the sealed running digest does not recompute"))
+            findings.append(
+                Finding(
+                    K.MODIFIED,
+                    notification_id,
+                    operation,
+                    version,
+                    "the sealed running digest does not recompute",
+                )
+            )
             digest = running
     report.operations_checked = len(last_version)
     report.head_digest = seal[-1][4] if seal else GENESIS_HASH
     if expected_head is not None and report.head_digest != expected_head:
-        findings.append(Finding(K.HEAD_MISMATCH, None, "", None,
-                                "the sealed head digest is not the one expected"))
+        findings.append(
+            Finding(
+                K.HEAD_MISMATCH, None, "", None, "the sealed head digest is not the one expected"
+            )
+        )
     findings.sort(key=lambda f: (f.notification_id is None, f.notification_id or 0))
     return report
 
@@ -131,10 +187,14 @@ def _ledger(rng: random.Random, operations: int = 8) -> tuple[list[StoredRow], l
         operation = rng.choice(sorted(pending))
         version, prev_hash = last[operation][0] + 1, last[operation][1]
         topic = rng.choice(["t:Proposed", "t:Validated", "t:Succeeded"])
-        stored = orjson.dumps({
-            "originator_id": operation, "originator_version": version, "prev_hash": prev_hash,
-            "payload": rng.random(),
-        })
+        stored = orjson.dumps(
+            {
+                "originator_id": operation,
+                "originator_version": version,
+                "prev_hash": prev_hash,
+                "payload": rng.random(),
+            }
+        )
         position = len(rows) + 1
         event_hash = stored_event_hash(topic, stored)
         running = chain_digest(running, event_hash)
