@@ -238,6 +238,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all CPUs, not idle or iowait), from /proc."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return math.nan
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def _stop(process: subprocess.Popen[bytes], name: str, timeout_s: float = 15.0) -> None:
     """SIGTERM, then SIGKILL after `timeout_s`; says so when a process had to be killed."""
     if process.poll() is None:
@@ -490,6 +500,10 @@ class Stack:
 # --------------------------------------------------------------------- drivers
 
 
+async def _ignore_error(_error: Exception) -> None:
+    """nats-py prints every connection error (e.g. a slow drain at close); phases count failures."""
+
+
 class LedgerDriver(Driver):
     """Operations through the ledger: propose, then wait for the final outcome."""
 
@@ -506,7 +520,8 @@ class LedgerDriver(Driver):
     async def start(self) -> None:
         """Connect as the bench host; in `watch` mode subscribe to all its outcomes."""
         assert self.stack.credentials is not None
-        self._nc = await connect_as(self.stack.url, self.stack.credentials.host(HOST))
+        self._nc = await connect_as(self.stack.url, self.stack.credentials.host(HOST),
+                                    error_cb=_ignore_error)
         self._host = AgentHostClient(self._nc, HOST, timeout=PROPOSE_TIMEOUT_S)
         if self.mode == "watch":
             await self._nc.subscribe(f"ops.outcome.{HOST}.>", cb=self._on_outcome)
@@ -671,16 +686,25 @@ class ConfigReport:
 async def _with_cpu(
     stack: Stack, ops: int, measure: Callable[[], Awaitable[PhaseResult]]
 ) -> PhaseResult:
-    """Run `measure` and attach CPU milliseconds per operation of each component."""
+    """Run `measure` and attach CPU milliseconds per operation of each component.
+
+    "other" is the machine's busy time that none of our processes used: on a
+    shared 2-core machine, anything else running (another benchmark, a test
+    run) takes CPU from the stack, and the figures of such a phase are suspect.
+    """
     pids = stack.pids()
     before = {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
     bench_before = time.process_time()
+    machine_before = machine_busy_seconds()
     result = await measure()
     after = {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
     result.cpu_ms_per_op = {
         name: (after[name] - before[name]) * 1000 / ops for name in pids if pids[name]
     }
     result.cpu_ms_per_op["bench (host)"] = (time.process_time() - bench_before) * 1000 / ops
+    ours = sum(result.cpu_ms_per_op.values())
+    machine = (machine_busy_seconds() - machine_before) * 1000 / ops
+    result.cpu_ms_per_op["other"] = max(machine - ours, 0.0)
     return result
 
 
@@ -792,8 +816,9 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
     for name, phase in report.phases.items():
         if phase.cpu_ms_per_op:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in phase.cpu_ms_per_op.items())
-            total = sum(v for v in phase.cpu_ms_per_op.values() if not math.isnan(v))
-            print(f"  CPU ms/op, {name}: {parts} (total {total:.2f})")
+            total = sum(v for k, v in phase.cpu_ms_per_op.items()
+                        if k != "other" and not math.isnan(v))
+            print(f"  CPU ms/op, {name}: {parts} (ours {total:.2f})")
     for name, stages in report.breakdowns.items():
         parts = ", ".join(
             f"{stage} {percentile(sorted(values), 50) * 1000:.1f}/"
