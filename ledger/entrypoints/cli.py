@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="opledger",
         description="Inspect and audit the opledger operation ledger; decide approvals.",
         parents=[common],
+        epilog="Running processes: opledger up | demo | serve | executor run | creds"
+        " (each with --help).",
     )
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
     _add_ops(groups, common)
