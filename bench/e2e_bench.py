@@ -330,6 +330,7 @@ class Stack:
         self.service: subprocess.Popen[bytes] | None = None
         self.executors: list[subprocess.Popen[bytes]] = []
         self.raw_workers: list[subprocess.Popen[bytes]] = []
+        self._logs: list[Any] = []
         self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
         )}
@@ -344,7 +345,7 @@ class Stack:
         self, module: str, args: list[str], log_name: str, patches: Sequence[str]
     ) -> subprocess.Popen[bytes]:
         """`python -m module args`, or through `bench/launcher.py` to profile or patch it."""
-        log = (self.home / f"{log_name}.log").open("wb")
+        log = self._log_file(log_name)
         options = [option for patch in patches for option in ("--patch", patch)]
         if self.settings.profile:
             options += ["--profile", str(self.home / f"prof-{log_name}")]
@@ -355,6 +356,11 @@ class Stack:
         # cwd and PYTHONPATH at the repository root: `bench.noop_tool` must import.
         return subprocess.Popen(command, cwd=REPO, env=self._env, stdout=log,
                                 stderr=subprocess.STDOUT)
+
+    def _log_file(self, name: str) -> Any:
+        log = (self.home / f"{name}.log").open("wb")
+        self._logs.append(log)
+        return log
 
     def log(self, name: str) -> str:
         """The tail of one process log, for error messages."""
@@ -403,7 +409,7 @@ class Stack:
             ))
         await self._declare_raw_topology()
         for index in range(self.settings.executors):
-            log = (self.home / f"raw-{index}.log").open("wb")
+            log = self._log_file(f"raw-{index}")
             self.raw_workers.append(subprocess.Popen(
                 [
                     sys.executable, str(BENCH / "raw_roundtrip_worker.py"),
@@ -495,6 +501,8 @@ class Stack:
             _stop(self.service, "service", 45.0 if self.settings.profile else 15.0)
         if self.server is not None:
             self.server.stop()
+        for log in self._logs:
+            log.close()
 
 
 # --------------------------------------------------------------------- drivers
@@ -883,7 +891,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ops", type=int, default=3000, help="operations in the throughput run")
     parser.add_argument("--concurrency", type=int, default=200, help="operations in flight")
     parser.add_argument("--rate", type=lambda t: [float(r) for r in t.split(",") if r],
-                        default=[200.0], help="operations/s of the latency runs, e.g. 200,20")
+                        default=[200.0, 20.0],
+                        help="operations/s of the latency runs (200: the target; 20: the "
+                        "latency of an unloaded stack)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds, latency run")
     parser.add_argument("--warmup", type=int, default=200, help="unmeasured operations first")
     parser.add_argument("--executors", type=_ints, default=[1, 2],
