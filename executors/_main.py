@@ -87,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--name", help="executor identity (default: <tool>-<host>-<pid>)")
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     run.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port")
-    run.add_argument("--batch", type=int, default=1, help="work items fetched at once")
+    run.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="work items run at once (the tool must allow concurrent calls)",
+    )
     run.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     return parser
 

@@ -213,26 +213,57 @@ class ExecutorRunner:
                 server.shutdown()
 
     async def _loop(self, sub: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                messages = await sub.fetch(self._batch, timeout=self._fetch_timeout)
-            except nats.errors.TimeoutError:
-                continue
-            except nats.errors.ConnectionClosedError:
-                self._log.error("NATS connection closed; executor stops")
-                return
-            except Exception as exc:
-                # Reconnects and server restarts surface here; the client retries.
-                self._log.warning("fetch failed: %s", type(exc).__name__)
-                await self._pause(1.0)
-                continue
-            for index, msg in enumerate(messages):
-                if self._stop.is_set():
-                    # Nothing happened to these yet: let another executor have them now.
-                    for rest in messages[index:]:
-                        await self._settle(rest.nak(), "nak")
+        # Up to `batch_size` items in flight at once, fetching as slots free up.
+        # Handling the items of a fetch one after another would make each wait
+        # for the previous one's lease round trip and result PubAck: one
+        # executor would do at most 1 / (two round trips) items per second,
+        # whatever the batch size.
+        in_flight: set[asyncio.Task[ItemDisposition]] = set()
+        try:
+            while not self._stop.is_set():
+                free = self._batch - len(in_flight)
+                if free <= 0:
+                    await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    messages = await sub.fetch(free, timeout=self._fetch_timeout)
+                except TimeoutError:
+                    # nats-py's TimeoutError subclasses the builtin; a fetch whose
+                    # deadline passed early raises the bare asyncio one.
+                    continue
+                except nats.errors.ConnectionClosedError:
+                    self._log.error("NATS connection closed; executor stops")
                     return
-                await self.handle(msg)
+                except Exception as exc:
+                    # Reconnects and server restarts surface here; the client retries.
+                    self._log.warning("fetch failed: %s", type(exc).__name__)
+                    await self._pause(1.0)
+                    continue
+                for index, msg in enumerate(messages):
+                    if self._stop.is_set():
+                        # Nothing happened to these yet: let another executor have them now.
+                        for rest in messages[index:]:
+                            await self._settle(rest.nak(), "nak")
+                        break
+                    task = asyncio.get_running_loop().create_task(self.handle(msg))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                    task.add_done_callback(self._report_crash)
+        except asyncio.CancelledError:
+            # Abandon the items in progress: unacknowledged, they are
+            # redelivered after the ack wait and the ledger decides.
+            for task in in_flight:
+                task.cancel()
+            raise
+        finally:
+            if in_flight:
+                await asyncio.gather(*in_flight, return_exceptions=True)
+
+    def _report_crash(self, task: asyncio.Task[ItemDisposition]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # A bug in the processor (it turns tool failures into envelopes):
+            # the item stays unacknowledged and is redelivered.
+            self._log.error("handling a work item failed", exc_info=task.exception())
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

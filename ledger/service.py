@@ -551,9 +551,25 @@ class Ledger:
             decision=LeaseDecision.DONE, operation_id=operation.id, reason=operation.state.value
         )
 
-    def status(self, operation_id: str) -> OperationStatus:
-        """Where an operation stands, with its result envelope once it has one."""
-        operation = self.get(operation_id)
+    def status(
+        self, operation_id: str, *, known_version: int | None = None, host: str | None = None
+    ) -> OperationStatus:
+        """Where an operation stands, with its result envelope once it has one.
+
+        `known_version`: the caller saw the operation reach this version (the
+        relay, announcing an event it just read). A copy this process wrote
+        at that version or later is then as good as a replay, and cheaper.
+
+        `host`: asked on behalf of this agent host; another host's operation
+        is reported exactly like a missing one.
+        """
+        cached = self._cached(operation_id) if known_version is not None else None
+        if cached is not None and known_version is not None and cached.version >= known_version:
+            operation = cached
+        else:
+            operation = self.get(operation_id)
+        if host is not None and operation.host != host:
+            raise OperationNotFound("no such operation", operation_id=operation_id)
         outcome = operation.outcome
         result = None
         if outcome and outcome.get("result_ref"):

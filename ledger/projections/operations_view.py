@@ -8,7 +8,7 @@ event. Dropping the tables and replaying gives the identical view.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -133,6 +133,9 @@ _STATE_CHANGES: dict[str, _Setter] = {
     "RetryScheduled": {"state": "ready"},
     "Cancelled": {"state": "cancelled", "approval_id": None},
 }
+
+
+_IN_CHUNK = 500  # IDs per `IN (...)` query: far below SQLite's parameter limit
 
 
 def _event_type(topic: str) -> str:
@@ -294,6 +297,21 @@ class OperationsProjector:
             (operation_id,),
         )
         return OperationRow(*rows[0]) if rows else None
+
+    def routes(self, operation_ids: Iterable[str]) -> dict[str, tuple[str, str | None, str]]:
+        """operation ID → (tool, tool version, host), for the IDs the view has (batched)."""
+        ids = list(dict.fromkeys(operation_ids))
+        found: dict[str, tuple[str, str | None, str]] = {}
+        for start in range(0, len(ids), _IN_CHUNK):
+            chunk = ids[start : start + _IN_CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            for operation_id, tool, tool_version, host in self._db.query(
+                "SELECT operation_id, tool, tool_version, host FROM opledger_operations"
+                f" WHERE operation_id IN ({marks})",
+                chunk,
+            ):
+                found[operation_id] = (tool, tool_version, host)
+        return found
 
     def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
         """Accepted operations of `actor` for `tool` since `since` (for budgets).

@@ -1,7 +1,9 @@
 """The ledger service: proposals, leases, results and status over NATS.
 
-Request/reply subjects are served by a FastStream `NatsBroker` in a queue group,
-so several service instances share the load without answering twice. Results
+A FastStream `NatsBroker` owns the connection and its lifecycle. The
+request/reply subjects are served in a queue group by lean nats-py
+subscriptions (`ledger.server.requests`), so several service instances share
+the load without answering twice. Results
 come from a durable JetStream pull consumer shared the same way. Every handler
 parses its input itself and always answers with a structured message: a bad
 request gets an error envelope, never silence or a stack trace.
@@ -17,18 +19,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from faststream import FastStream, Path
-from faststream.nats import NatsBroker, NatsMessage
+from faststream import FastStream
+from faststream.nats import NatsBroker
 from faststream.nats.security import NatsNKey
-from nats.errors import TimeoutError as NatsTimeout
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
-from ledger.domain.errors import OperationNotFound
-from ledger.nats.security import reply_allowed
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.relay import Relay
+from ledger.server.requests import RequestServer
 from ledger.service import Ledger
 from schemas import (
     RESULTS_CONSUMER,
@@ -60,6 +61,8 @@ class ServiceOptions:
     """Extra `nats.connect` options: credentials and inbox prefix."""
     queue_group: str = "opledger-ledger"
     result_batch: int = 256
+    max_requests: int = 512
+    """Propose, status and lease requests served at once (the rest wait in the subscription)."""
     sweep_interval: timedelta = timedelta(seconds=2)
     declare: Callable[[JetStreamContext], Awaitable[None]] | None = None
     """Declares streams and consumers at start (the service owns the topology)."""
@@ -110,39 +113,29 @@ class LedgerService:
         self.relay: Relay | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._results_subscription: Any = None
-        self._register()
+        self._requests: RequestServer | None = None
 
     # ----------------------------------------------------------------- handlers
 
-    def _register(self) -> None:
-        # no_reply: FastStream would answer whatever reply subject a client
-        # chose, and the server does not check it; `_answer` only answers inside
-        # the requester's own inbox (see ledger.nats.security.reply_allowed).
-        queue = self.options.queue_group
-        inbox = self.options.connect_options.get("inbox_prefix", "_INBOX")
-
-        @self.broker.subscriber(
-            "ops.propose.{host}", queue=queue, no_reply=True, inbox_prefix=inbox
+    async def _serve_requests(self, nc: Client) -> None:
+        # Plain nats-py subscriptions, not FastStream subscribers: see
+        # ledger.server.requests for why, and for the reply-subject check.
+        requests = RequestServer(
+            nc, queue=self.options.queue_group, limit=self.options.max_requests
         )
-        async def on_propose(message: NatsMessage, host: str = Path()) -> None:
-            await self._answer(message, _reply(await self._propose(message.body, host)))
+        await requests.serve("ops.propose.*", self._on_propose)
+        await requests.serve("ops.status.*", self._on_status)
+        await requests.serve("ops.lease.*", self._on_lease)
+        self._requests = requests
 
-        @self.broker.subscriber("ops.status.{host}", queue=queue, no_reply=True, inbox_prefix=inbox)
-        async def on_status(message: NatsMessage, host: str = Path()) -> None:
-            await self._answer(message, _reply(await self._status(message.body, host)))
+    async def _on_propose(self, body: bytes, host: str) -> bytes:
+        return _reply(await self._propose(body, host))
 
-        @self.broker.subscriber("ops.lease.{tool}", queue=queue, no_reply=True, inbox_prefix=inbox)
-        async def on_lease(message: NatsMessage, tool: str = Path()) -> None:
-            await self._answer(message, await self._lease(message.body, tool))
+    async def _on_status(self, body: bytes, host: str) -> bytes:
+        return _reply(await self._status(body, host))
 
-    async def _answer(self, message: NatsMessage, payload: bytes) -> None:
-        subject = message.raw_message.subject
-        if not reply_allowed(subject, message.reply_to):
-            _log.warning(
-                "not answering %s at %r: outside the requester's inbox", subject, message.reply_to
-            )
-            return
-        await self.broker.connection.publish(message.reply_to, payload)
+    async def _on_lease(self, body: bytes, tool: str) -> bytes:
+        return await self._lease(body, tool)
 
     @property
     def _gateway(self) -> LedgerGateway:
@@ -180,18 +173,9 @@ class LedgerService:
         except ValidationError as exc:
             return ProposeReply(error=_invalid(exc))
         try:
-            status = await self._gateway.status(request.operation_id)
-            owner = await self._gateway.call(self._host_of, request.operation_id)
+            return await self._gateway.status(request.operation_id, host)
         except OpledgerError as error:
             return ProposeReply(operation_id=request.operation_id, error=error.to_info())
-        if owner != host:
-            # Another host's operation is reported exactly like a missing one.
-            hidden = OperationNotFound("no such operation", operation_id=request.operation_id)
-            return ProposeReply(operation_id=request.operation_id, error=hidden.to_info())
-        return status
-
-    def _host_of(self, operation_id: str) -> str:
-        return self.ledger.get(operation_id).host
 
     async def _lease(self, body: bytes, tool: str) -> bytes:
         try:
@@ -212,7 +196,10 @@ class LedgerService:
         while True:
             try:
                 messages = await subscription.fetch(self.options.result_batch, timeout=1)
-            except NatsTimeout:
+            except TimeoutError:
+                # nats-py's own TimeoutError subclasses the builtin, but when its
+                # deadline passes before the long poll starts it raises the bare
+                # asyncio one: both just mean "no results yet".
                 continue
             except Exception:
                 _log.exception("fetching results failed")
@@ -281,6 +268,7 @@ class LedgerService:
         self.relay = Relay(self.gateway, nc, metrics=metrics)
         self.relay.start()
         await self.broker.start()
+        await self._serve_requests(nc)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._consume_results(js), name="ledger-results"),
@@ -292,6 +280,8 @@ class LedgerService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._requests is not None:
+            await self._requests.stop()
         if self.relay is not None:
             await self.relay.stop()
         if self._results_subscription is not None:

@@ -46,6 +46,9 @@ _SETTLING = {
 }
 
 
+_FINAL = frozenset(state.value for state in FINAL_STATES)
+
+
 @dataclass(frozen=True, slots=True)
 class _Message:
     subject: str
@@ -63,6 +66,7 @@ class Relay:
         *,
         batch: int = 500,
         lease: timedelta = timedelta(seconds=10),
+        save_every: timedelta = timedelta(milliseconds=200),
         metrics: LedgerMetrics | None = None,
     ) -> None:
         self._gateway = gateway
@@ -71,9 +75,19 @@ class Relay:
         self._js: JetStreamContext = nc.jetstream()
         self._batch = batch
         self._lease = lease
+        self._save_every = save_every
         self._metrics = metrics
         self._owner = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._task: asyncio.Task[None] | None = None
+        # While this instance holds the relay lease, its position lives here;
+        # the row is written at most every `save_every` (and on stop), which
+        # also renews the lease. A crash republishes what came after the
+        # saved position: JetStream drops the copies by message ID, hosts
+        # ignore an outcome they already have, the ledger a result it has.
+        self._position: int | None = None
+        self._saved_position: int | None = None
+        self._held_until = datetime.min.replace(tzinfo=UTC)
+        self._saved_at = datetime.min.replace(tzinfo=UTC)
         self._ledger.db.execute(
             "CREATE TABLE IF NOT EXISTS opledger_relay ("
             " name TEXT PRIMARY KEY, position BIGINT NOT NULL, owner TEXT, until TEXT)"
@@ -93,6 +107,9 @@ class Relay:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._position is not None:
+            with contextlib.suppress(Exception):
+                await self._gateway.call(self._release)
 
     async def _run(self) -> None:
         written = self._gateway.written
@@ -102,6 +119,7 @@ class Relay:
                     pass
             except Exception:
                 _log.exception("relay failed; retrying")
+                self._position = None  # read the position again from the row
                 await asyncio.sleep(1)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(written.wait(), timeout=0.25)
@@ -117,14 +135,23 @@ class Relay:
             return 0
         await self._publish(messages)
         if position is not None:
-            await self._gateway.call(self._advance, position)
+            self._position = position
         return len(messages) or 1
 
     # ------------------------------------------------------------- ledger thread
 
     def _claim(self) -> int | None:
-        """Take (or renew) the relay lease; the position to continue from, or None."""
+        """Take, keep or renew the relay lease; the position to continue from, or None."""
         now = datetime.now(UTC)
+        if self._position is not None and now < self._held_until - self._lease / 2:
+            # Ours for a while yet; save (and so renew) now and then.
+            if now - self._saved_at >= self._save_every and self._position != self._saved_position:
+                self._save(now)
+            return self._position
+        if self._position is not None:
+            self._save(now)  # renew the lease, saving the position with it
+            if self._position is not None:
+                return self._position
         changed = self._ledger.db.execute_count(
             "UPDATE opledger_relay SET owner = ?, until = ?"
             " WHERE name = ? AND (owner IS NULL OR owner = ? OR until < ?)",
@@ -133,7 +160,35 @@ class Relay:
         if not changed:
             return None
         rows = self._ledger.db.query("SELECT position FROM opledger_relay WHERE name = ?", (_NAME,))
-        return int(rows[0][0])
+        self._position = self._saved_position = int(rows[0][0])
+        self._held_until, self._saved_at = now + self._lease, now
+        return self._position
+
+    def _save(self, now: datetime) -> None:
+        """Write the position and renew the lease; forget both if another relay took over."""
+        changed = self._ledger.db.execute_count(
+            "UPDATE opledger_relay SET position = ?, until = ? WHERE name = ? AND owner = ?",
+            (self._position, (now + self._lease).isoformat(), _NAME, self._owner),
+        )
+        if changed:
+            self._saved_position, self._held_until, self._saved_at = (
+                self._position,
+                now + self._lease,
+                now,
+            )
+        else:
+            _log.warning("the relay lease passed to another instance")
+            self._position = self._saved_position = None
+
+    def _release(self) -> None:
+        """Save the position and let another instance take over at once."""
+        if self._position is None:
+            return
+        self._ledger.db.execute(
+            "UPDATE opledger_relay SET position = ?, until = NULL WHERE name = ? AND owner = ?",
+            (self._position, _NAME, self._owner),
+        )
+        self._position = self._saved_position = None
 
     def _read_batch(self) -> tuple[int | None, list[_Message]] | None:
         position = self._claim()
@@ -144,61 +199,57 @@ class Relay:
         if not rows:
             return None, []
         ledger.refresh()  # the view knows each operation's tool and host
+        routes = ledger.projector.routes(row[1] for row in rows)
         messages: list[_Message] = []
         for row in rows:
-            messages.extend(self._messages_for(row))
+            route = routes.get(row[1])
+            if route is not None:
+                messages.extend(self._messages_for(row, *route))
         return rows[-1][0], messages
 
-    def _messages_for(self, row: tuple[int, str, int, str, bytes]) -> list[_Message]:
+    def _messages_for(
+        self, row: tuple[int, str, int, str, bytes], tool: str, tool_version: str | None, host: str
+    ) -> list[_Message]:
         operation_id, version = row[1], row[2]
-        view = self._ledger.projector.row(operation_id)
-        if view is None:
-            return []
-        contract = self._ledger.checker.catalog.get(view.tool)
+        contract = self._ledger.checker.catalog.get(tool)
         record = feed_record(row, contract.sensitive_arguments if contract else ())
         kind = record["type"]
         if self._metrics is not None:
-            self._metrics.observe(record, view.tool)
+            self._metrics.observe(record, tool)
         messages = [
             _Message(
-                Subjects.feed(view.tool, kind),
+                Subjects.feed(tool, kind),
                 orjson.dumps(record),
                 f"{operation_id}:{version}",
             )
         ]
-        if kind in _DISPATCH and view.tool_version:
+        if kind in _DISPATCH and tool_version:
             state: dict[str, Any] = record["event"]
             attempt = int(state.get("after_attempt", 0)) + 1
             item = WorkItem(
                 operation_id=operation_id,
-                tool=view.tool,
-                tool_version=view.tool_version,
+                tool=tool,
+                tool_version=tool_version,
                 attempt=attempt,
             )
             messages.append(
                 _Message(
-                    Subjects.work(view.tool),
+                    Subjects.work(tool),
                     item.model_dump_json().encode(),
                     f"{operation_id}:{version}",
                 )
             )
-        if kind in _SETTLING and view.host:
-            status = self._ledger.status(operation_id)
-            if status.final and status.state in {s.value for s in FINAL_STATES}:
+        if kind in _SETTLING and host:
+            status = self._ledger.status(operation_id, known_version=version)
+            if status.final and status.state in _FINAL:
                 messages.append(
                     _Message(
-                        Subjects.outcome(view.host, operation_id),
+                        Subjects.outcome(host, operation_id),
                         status.model_dump_json().encode(),
                         None,
                     )
                 )
         return messages
-
-    def _advance(self, position: int) -> None:
-        self._ledger.db.execute(
-            "UPDATE opledger_relay SET position = ? WHERE name = ? AND owner = ?",
-            (position, _NAME, self._owner),
-        )
 
     # -------------------------------------------------------------- event loop
 

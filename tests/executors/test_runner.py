@@ -55,6 +55,7 @@ class FakeNats:
         self.runner: ExecutorRunner | None = None
         self.timeouts: dict[str, list[float | None]] = {}
         self.fetched: list[int] = []
+        self.stop_in_fetch = False
 
     def _timeout(self, what: str, timeout: float | None) -> None:
         self.timeouts.setdefault(what, []).append(timeout)
@@ -76,6 +77,9 @@ class FakeNats:
         self.fetched.append(batch)
         self._timeout("fetch", timeout)
         if self.batches:
+            if self.stop_in_fetch:
+                assert self.runner is not None
+                self.runner.stop()  # SIGTERM arrives while the fetch is under way
             return self.batches.pop(0)
         assert self.runner is not None
         self.runner.stop()
@@ -270,12 +274,12 @@ def test_an_error_answer_to_a_lease_request_is_understood() -> None:
     )
 
 
-def test_stop_finishes_the_current_item_and_returns_the_rest_at_once() -> None:
+def test_items_of_one_fetch_run_at_once_and_stop_lets_them_finish() -> None:
     fake = FakeNats({f"op-{n}": _execute(f"op-{n}") for n in range(3)})
     holder: dict[str, ExecutorRunner] = {}
 
     def run(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
-        holder["runner"].stop()  # SIGTERM arrives while the first item runs
+        holder["runner"].stop()  # SIGTERM arrives while the items run
         return OUTPUT
 
     fake.batches = [[fake.message(f"m{n}", work_item(f"op-{n}", TOOL)) for n in range(3)]]
@@ -283,10 +287,23 @@ def test_stop_finishes_the_current_item_and_returns_the_rest_at_once() -> None:
     holder["runner"] = runner
     asyncio.run(runner.run())
     assert fake.fetched == [3]
+    # All three asked for their lease before any result went out: concurrent.
+    assert [event[0] for event in fake.events[:3]] == ["lease"] * 3
+    # Stopping fetched nothing more, and every item in progress finished.
+    for n in range(3):
+        assert ("ack", f"m{n}") in fake.events
+    assert sum(1 for event in fake.events if event[0] == "publish") == 3
+    assert fake.events[-2:] == [("flush",), ("close",)]
+
+
+def test_stop_during_a_fetch_returns_what_it_brought_at_once() -> None:
+    fake = FakeNats({f"op-{n}": _execute(f"op-{n}") for n in range(3)})
+    fake.batches = [[fake.message(f"m{n}", work_item(f"op-{n}", TOOL)) for n in range(3)]]
+    fake.stop_in_fetch = True
+    runner = _runner(fake, batch_size=3)
+    asyncio.run(runner.run())
     assert fake.events == [
-        ("lease", "ops.lease.search_documents", "op-0"),
-        ("publish", "ops.result.search_documents"),
-        ("ack", "m0"),
+        ("nak", "m0", None),
         ("nak", "m1", None),
         ("nak", "m2", None),
         ("flush",),
