@@ -4,18 +4,28 @@ A host speaks only on its own subjects (`ops.propose.<host>`, `ops.status.<host>
 `ops.outcome.<host>.*`); the server's permissions make that the host's identity.
 The SDK always sends an operation ID, minting one when the caller gives none,
 so that retrying a proposal after a timeout can never create a second operation.
+
+Outcomes arrive on one subscription per client (`ops.outcome.<host>.>`), taken
+before the first proposal, so `outcome()` of an operation proposed through
+this client needs no status request: it waits for the announcement, and asks
+for the status only if none came for a while (core NATS may drop a notice).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from pydantic import ValidationError
 
 from schemas import (
     ErrorCategory,
@@ -64,10 +74,28 @@ class RequestRefused(OpledgerError):
 class AgentHostClient:
     """One agent host's connection to the ledger."""
 
-    def __init__(self, nc: Client, host: str, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        host: str,
+        *,
+        timeout: float = 5.0,
+        poll_interval: float = 2.0,
+        remembered: int = 4096,
+    ) -> None:
         self._nc = nc
         self.host = check_token(host)
         self._timeout = timeout
+        self._poll = poll_interval
+        self._remembered = remembered
+        self._outcomes: Subscription | None = None
+        self._subscribing = asyncio.Lock()
+        # Final statuses announced but not yet asked for, and the operations
+        # proposed since the subscription started (their notices will come
+        # to it); both bounded, oldest dropped first.
+        self._announced: OrderedDict[str, OperationStatus] = OrderedDict()
+        self._proposed: OrderedDict[str, None] = OrderedDict()
+        self._waiters: dict[str, list[asyncio.Future[OperationStatus]]] = {}
 
     @classmethod
     async def connect(
@@ -79,6 +107,37 @@ class AgentHostClient:
     async def close(self) -> None:
         """Drain and close the connection."""
         await self._nc.drain()
+
+    async def _listen(self) -> None:
+        """Subscribe to this host's outcome announcements (once)."""
+        if self._outcomes is not None:
+            return
+        async with self._subscribing:
+            if self._outcomes is None:
+                self._outcomes = await self._nc.subscribe(
+                    f"ops.outcome.{self.host}.>", cb=self._on_outcome
+                )
+
+    async def _on_outcome(self, message: Msg) -> None:
+        try:
+            status = OperationStatus.model_validate_json(message.data)
+        except ValidationError:
+            return  # not an announcement the ledger makes: ignore it
+        if not status.final:
+            return
+        waiters = self._waiters.pop(status.operation_id, None)
+        if waiters:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(status)
+            return
+        self._remember(self._announced, status.operation_id, status)
+
+    def _remember(self, memory: OrderedDict[str, Any], key: str, value: Any) -> None:
+        memory[key] = value
+        memory.move_to_end(key)
+        while len(memory) > self._remembered:
+            memory.popitem(last=False)
 
     async def _request(self, subject: str, payload: bytes, attempts: int) -> bytes:
         for attempt in range(attempts):
@@ -104,9 +163,13 @@ class AgentHostClient:
         Raises `RequestRefused` when the ledger refuses the request itself (a
         malformed envelope, an ID that belongs to another call).
         """
-        if proposal.operation_id is None:
-            proposal = proposal.model_copy(update={"operation_id": f"op-{uuid.uuid4().hex}"})
+        operation_id = proposal.operation_id
+        if operation_id is None:
+            operation_id = f"op-{uuid.uuid4().hex}"
+            proposal = proposal.model_copy(update={"operation_id": operation_id})
         envelope = ProposalEnvelope(proposal=proposal, context=context)
+        await self._listen()  # before the proposal: its outcome may come at once
+        self._remember(self._proposed, operation_id, None)
         data = await self._request(
             Subjects.propose(self.host), envelope.model_dump_json().encode(), attempts
         )
@@ -128,26 +191,43 @@ class AgentHostClient:
     async def outcome(self, operation_id: str, timeout: float = 30.0) -> OperationStatus:
         """Wait until the operation is final and return its status with the result.
 
-        Subscribes before asking, so an outcome announced in between is not missed.
+        Listens before asking, so an outcome announced in between is not missed.
         """
-        subscription = await self._nc.subscribe(Subjects.outcome(self.host, operation_id))
+        await self._listen()
+        announced = self._announced.pop(operation_id, None)
+        if announced is not None:
+            return announced
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        waiter: asyncio.Future[OperationStatus] = loop.create_future()
+        self._waiters.setdefault(operation_id, []).append(waiter)
         try:
-            status = await self.status(operation_id)
-            deadline = asyncio.get_running_loop().time() + timeout
-            while not status.final:
-                remaining = deadline - asyncio.get_running_loop().time()
+            # Proposed through this client after it started listening: the
+            # announcement will come. Otherwise it may have come and gone.
+            ask = operation_id not in self._proposed
+            while True:
+                if ask:
+                    status = await self.status(operation_id)
+                    if status.final:
+                        return status
+                remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise OutcomeTimeout(
                         "the operation is not final yet",
                         operation_id=operation_id,
-                        state=status.state,
+                        state=status.state if ask else "unknown",
                     )
                 try:
-                    message = await subscription.next_msg(timeout=min(remaining, 5.0))
-                except NatsTimeout:
-                    status = await self.status(operation_id)  # in case a notice was lost
-                    continue
-                status = OperationStatus.model_validate_json(message.data)
-            return status
+                    return await asyncio.wait_for(
+                        asyncio.shield(waiter), timeout=min(remaining, self._poll)
+                    )
+                except TimeoutError:
+                    ask = True  # in case the announcement was lost
         finally:
-            await subscription.unsubscribe()
+            waiters = self._waiters.get(operation_id)
+            if waiters is not None:
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[operation_id]
+            waiter.cancel()

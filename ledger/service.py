@@ -563,7 +563,11 @@ class Ledger:
         `host`: asked on behalf of this agent host; another host's operation
         is reported exactly like a missing one.
         """
-        cached = self._cached(operation_id) if known_version is not None else None
+        cached = self._cached(operation_id)
+        if cached is not None and known_version is None:
+            # One index lookup says whether the copy is current (another
+            # instance may have written since); a replay decodes every event.
+            known_version = self._stored_version(operation_id)
         if cached is not None and known_version is not None and cached.version >= known_version:
             operation = cached
         else:
@@ -753,6 +757,13 @@ class Ledger:
             workers=workers,
             chunk_size=chunk_size,
         )
+
+    def _stored_version(self, operation_id: str) -> int | None:
+        rows = self.db.query(
+            f"SELECT MAX(originator_version) FROM {self.events_table} WHERE originator_id = ?",
+            (operation_id,),
+        )
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None
 
     def stored_rows_after(self, position: int, limit: int) -> list[StoredRow]:
         """Up to `limit` stored rows after `position`, in position order."""

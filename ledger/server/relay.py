@@ -16,6 +16,7 @@ import contextlib
 import logging
 import socket
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -46,6 +47,7 @@ _SETTLING = {
 }
 
 
+_ROUTES_KEPT = 100_000  # operations whose routes the relay remembers (oldest dropped first)
 _FINAL = frozenset(state.value for state in FINAL_STATES)
 
 
@@ -88,6 +90,7 @@ class Relay:
         self._saved_position: int | None = None
         self._held_until = datetime.min.replace(tzinfo=UTC)
         self._saved_at = datetime.min.replace(tzinfo=UTC)
+        self._routes: OrderedDict[str, tuple[str, str | None, str]] = OrderedDict()
         self._ledger.db.execute(
             "CREATE TABLE IF NOT EXISTS opledger_relay ("
             " name TEXT PRIMARY KEY, position BIGINT NOT NULL, owner TEXT, until TEXT)"
@@ -198,14 +201,43 @@ class Relay:
         rows = list(ledger.stored_rows_after(position, self._batch))
         if not rows:
             return None, []
-        ledger.refresh()  # the view knows each operation's tool and host
-        routes = ledger.projector.routes(row[1] for row in rows)
+        self._learn_routes(rows)
+        missing = {row[1] for row in rows if row[1] not in self._routes}
+        if missing:
+            # Operations proposed before this relay's position (a restart, a
+            # takeover): the view knows them once it has caught up.
+            ledger.refresh()
+            for operation_id, found in ledger.projector.routes(missing).items():
+                self._remember(operation_id, found)
         messages: list[_Message] = []
         for row in rows:
-            route = routes.get(row[1])
+            route = self._routes.get(row[1])
             if route is not None:
                 messages.extend(self._messages_for(row, *route))
         return rows[-1][0], messages
+
+    def _learn_routes(self, rows: list[tuple[int, str, int, str, bytes]]) -> None:
+        """Note each operation's tool, tool version and host from the events that name them.
+
+        The relay reads every event anyway; keeping these three facts saves
+        bringing the operations view up to date (a transaction) per batch.
+        """
+        for _, operation_id, _, topic, stored in rows:
+            kind = topic.rsplit(".", 1)[-1]
+            if kind == "Proposed":
+                state = orjson.loads(stored)
+                self._remember(operation_id, (state["tool"], None, state.get("host", "")))
+            elif kind in ("Validated", "Rejected"):
+                known = self._routes.get(operation_id)
+                if known is not None:
+                    version = orjson.loads(stored).get("tool_version")
+                    self._remember(operation_id, (known[0], version, known[2]))
+
+    def _remember(self, operation_id: str, route: tuple[str, str | None, str]) -> None:
+        self._routes[operation_id] = route
+        self._routes.move_to_end(operation_id)
+        while len(self._routes) > _ROUTES_KEPT:
+            self._routes.popitem(last=False)
 
     def _messages_for(
         self, row: tuple[int, str, int, str, bytes], tool: str, tool_version: str | None, host: str
