@@ -142,6 +142,87 @@ def _event_type(topic: str) -> str:
     return topic.rsplit(".", 1)[-1]
 
 
+class _ViewChanges:
+    """One batch's changes to the view, merged into one statement per operation.
+
+    Five or more events per operation usually arrive in one batch; their
+    column changes are merged (a later event's value wins) and written with
+    one INSERT or UPDATE per operation, grouped into `executemany` calls. The
+    few changes that depend on the stored row (a counter, a conditional state)
+    are written where they occur, after everything before them.
+    """
+
+    def __init__(self) -> None:
+        self._inserts: list[tuple[Any, ...]] = []
+        self._updates: dict[str, dict[str, Any]] = {}
+
+    def add(self, notification: Notification, state: dict[str, Any], db: SqlDatabase) -> None:
+        kind = _event_type(notification.topic)
+        operation_id = str(notification.originator_id)
+        timestamp = _normalized(state["timestamp"])
+        if kind == "Proposed":
+            self._inserts.append(
+                (
+                    operation_id,
+                    state["tool"],
+                    state["actor"],
+                    state["tenant"],
+                    timestamp,
+                    timestamp,
+                    notification.originator_version,
+                    state.get("host", ""),
+                )
+            )
+            return
+        columns = self._updates.setdefault(operation_id, {})
+        columns["updated_at"] = timestamp
+        columns["last_version"] = notification.originator_version
+        for column, value in _STATE_CHANGES.get(kind, {}).items():
+            columns[column] = value(state) if callable(value) else value
+        if kind == "ApprovalGranted":
+            special = "approvals_granted = approvals_granted + 1"
+        elif kind == "CancelRequested":
+            special = "state = CASE WHEN state = 'executing' THEN 'cancel_requested' ELSE state END"
+        else:
+            return
+        self._write_inserts(db)
+        self._write_update(db, operation_id, self._updates.pop(operation_id))
+        db.execute(
+            f"UPDATE opledger_operations SET {special} WHERE operation_id = ?", (operation_id,)
+        )
+
+    def flush(self, db: SqlDatabase) -> None:
+        """Write what is left: inserts first (an operation's first event), then updates."""
+        self._write_inserts(db)
+        by_columns: dict[tuple[str, ...], list[tuple[Any, ...]]] = {}
+        for operation_id, columns in self._updates.items():
+            by_columns.setdefault(tuple(columns), []).append((*columns.values(), operation_id))
+        self._updates.clear()
+        for names, rows in by_columns.items():
+            assignments = ", ".join(f"{column} = ?" for column in names)
+            db.executemany(
+                f"UPDATE opledger_operations SET {assignments} WHERE operation_id = ?", rows
+            )
+
+    def _write_inserts(self, db: SqlDatabase) -> None:
+        if self._inserts:
+            db.executemany(
+                "INSERT INTO opledger_operations (operation_id, state, tool, actor, tenant,"
+                " created_at, updated_at, last_version, host)"
+                " VALUES (?, 'proposed', ?, ?, ?, ?, ?, ?, ?)",
+                self._inserts,
+            )
+            self._inserts = []
+
+    @staticmethod
+    def _write_update(db: SqlDatabase, operation_id: str, columns: dict[str, Any]) -> None:
+        assignments = ", ".join(f"{column} = ?" for column in columns)
+        db.execute(
+            f"UPDATE opledger_operations SET {assignments} WHERE operation_id = ?",
+            (*columns.values(), operation_id),
+        )
+
+
 class OperationsProjector:
     """Keeps the operations view and the digest chain up to date with the event log."""
 
@@ -192,6 +273,7 @@ class OperationsProjector:
             )
             digest = digest_rows[0][0] if digest_rows else GENESIS_HASH
             digests: list[tuple[Any, ...]] = []
+            changes = _ViewChanges()
             for notification in notifications:
                 state = orjson.loads(notification.state)
                 event_hash = stored_event_hash(notification.topic, notification.state)
@@ -205,7 +287,8 @@ class OperationsProjector:
                         digest,
                     )
                 )
-                self._apply(notification, state)
+                changes.add(notification, state, db)
+            changes.flush(db)
             db.executemany(
                 "INSERT INTO opledger_digest"
                 " (notification_id, operation_id, version, event_hash, running_digest)"
@@ -217,46 +300,6 @@ class OperationsProjector:
                 (notifications[-1].id, _NAME),
             )
             return len(notifications)
-
-    def _apply(self, notification: Notification, state: dict[str, Any]) -> None:
-        kind = _event_type(notification.topic)
-        operation_id = notification.originator_id
-        timestamp = _normalized(state["timestamp"])
-        if kind == "Proposed":
-            self._db.execute(
-                "INSERT INTO opledger_operations (operation_id, state, tool, actor, tenant,"
-                " created_at, updated_at, last_version, host)"
-                " VALUES (?, 'proposed', ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    operation_id,
-                    state["tool"],
-                    state["actor"],
-                    state["tenant"],
-                    timestamp,
-                    timestamp,
-                    notification.originator_version,
-                    state.get("host", ""),
-                ),
-            )
-            return
-        columns: dict[str, Any] = {
-            "updated_at": timestamp,
-            "last_version": notification.originator_version,
-        }
-        for column, value in _STATE_CHANGES.get(kind, {}).items():
-            columns[column] = value(state) if callable(value) else value
-        increment = (
-            ", approvals_granted = approvals_granted + 1" if kind == "ApprovalGranted" else ""
-        )
-        if kind == "CancelRequested":
-            increment = (
-                ", state = CASE WHEN state = 'executing' THEN 'cancel_requested' ELSE state END"
-            )
-        assignments = ", ".join(f"{column} = ?" for column in columns)
-        self._db.execute(
-            f"UPDATE opledger_operations SET {assignments}{increment} WHERE operation_id = ?",
-            (*columns.values(), operation_id),
-        )
 
     def rebuild(self) -> int:
         """Drop the view and the digest chain and project everything again."""

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ _SETTLING = {
 }
 
 
+_REFRESH_EVERY_S = 0.1  # how far the operations view may fall behind while events flow
 _ROUTES_KEPT = 100_000  # operations whose routes the relay remembers (oldest dropped first)
 _FINAL = frozenset(state.value for state in FINAL_STATES)
 
@@ -90,6 +92,7 @@ class Relay:
         self._saved_position: int | None = None
         self._held_until = datetime.min.replace(tzinfo=UTC)
         self._saved_at = datetime.min.replace(tzinfo=UTC)
+        self._refreshed_at = 0.0
         self._routes: OrderedDict[str, tuple[str, str | None, str]] = OrderedDict()
         self._ledger.db.execute(
             "CREATE TABLE IF NOT EXISTS opledger_relay ("
@@ -203,10 +206,15 @@ class Relay:
             return None, []
         self._learn_routes(rows)
         missing = {row[1] for row in rows if row[1] not in self._routes}
-        if missing:
-            # Operations proposed before this relay's position (a restart, a
-            # takeover): the view knows them once it has caught up.
+        now = time.monotonic()
+        if missing or now - self._refreshed_at >= _REFRESH_EVERY_S:
+            # Keep the view a little behind, never far: bringing it up to date
+            # blocks the loop, so it is done often enough to stay short. And
+            # operations proposed before this relay's position (a restart, a
+            # takeover) are known to the view once it has caught up.
             ledger.refresh()
+            self._refreshed_at = now
+        if missing:
             for operation_id, found in ledger.projector.routes(missing).items():
                 self._remember(operation_id, found)
         messages: list[_Message] = []
