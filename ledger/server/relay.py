@@ -71,6 +71,7 @@ class Relay:
         batch: int = 500,
         lease: timedelta = timedelta(seconds=10),
         save_every: timedelta = timedelta(milliseconds=200),
+        ack_timeout: timedelta = timedelta(seconds=5),
         metrics: LedgerMetrics | None = None,
     ) -> None:
         self._gateway = gateway
@@ -80,6 +81,7 @@ class Relay:
         self._batch = batch
         self._lease = lease
         self._save_every = save_every
+        self._ack_timeout = ack_timeout.total_seconds()
         self._metrics = metrics
         self._owner = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._task: asyncio.Task[None] | None = None
@@ -294,19 +296,31 @@ class Relay:
     # -------------------------------------------------------------- event loop
 
     async def _publish(self, messages: list[_Message]) -> None:
-        pending = []
-        for message in messages:
-            if message.message_id is None:
-                await self._nc.publish(message.subject, message.payload)
-            else:
-                pending.append(
-                    self._js.publish(
-                        message.subject,
-                        message.payload,
-                        headers={"Nats-Msg-Id": message.message_id},
+        # Every stored publish in flight at once, their PubAcks collected by one
+        # subscription (`publish_async`: no task, request inbox or timer per
+        # message). Any failure raises, and the position stays where it was,
+        # so the whole batch is published again (deduplicated by message ID).
+        acks: list[asyncio.Future[Any]] = []
+        notices: list[_Message] = []
+        try:
+            for message in messages:
+                if message.message_id is None:
+                    notices.append(message)
+                else:
+                    acks.append(
+                        await self._js.publish_async(
+                            message.subject,
+                            message.payload,
+                            headers={"Nats-Msg-Id": message.message_id},
+                        )
                     )
-                )
-        # All stored publishes in flight at once; any failure raises, and the
-        # position stays where it was, so the whole batch is published again.
-        await asyncio.gather(*pending)
-        await self._nc.flush()
+            if acks:
+                await asyncio.wait_for(asyncio.gather(*acks), timeout=self._ack_timeout)
+        except BaseException:
+            for ack in acks:
+                ack.cancel()  # frees its slot among the pending publishes
+            raise
+        # Outcome notices only once the events behind them are stored: a host
+        # that hears of an outcome can read it on the feed.
+        for message in notices:
+            await self._nc.publish(message.subject, message.payload)
