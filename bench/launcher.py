@@ -289,7 +289,42 @@ def _plain_handlers(value: str) -> None:
     app.LedgerService.start = start  # type: ignore[method-assign]
 
 
+def _gc_pauses(_value: str) -> None:
+    """Any process: log how long the cyclic garbage collector paused it (for diagnosis).
+
+    Every collection is timed through `gc.callbacks`; at exit the count, the
+    total and the longest pause per generation go to stderr (the process's
+    log). A long gen-2 pause stops the event loop: a p99 latency suspect.
+    """
+    import atexit
+    import gc
+    import time
+
+    started: list[float] = [0.0]
+    pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(callback)
+
+    def report() -> None:
+        for generation, times in pauses.items():
+            if times:
+                print(
+                    f"gc gen{generation}: {len(times)} collections, total {sum(times) * 1e3:.1f} ms,"
+                    f" longest {max(times) * 1e3:.2f} ms",
+                    file=sys.stderr,
+                )
+
+    atexit.register(report)
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
+    "gc-pauses": _gc_pauses,
     "plain-handlers": _plain_handlers,
     "switch-interval": _switch_interval,
     "inline-ledger": _inline_ledger,

@@ -226,9 +226,7 @@ class LedgerService:
                 await message.term()
                 continue
             accepted.append((message, envelope))
-        outcomes = await asyncio.gather(
-            *(self._gateway.record(envelope) for _, envelope in accepted), return_exceptions=True
-        )
+        outcomes = await self._gateway.record_many([envelope for _, envelope in accepted])
         for (message, envelope), outcome in zip(accepted, outcomes, strict=True):
             if isinstance(outcome, OpledgerError) and outcome.retryable:
                 await message.nak(delay=1)  # the ledger was unavailable: try again

@@ -107,6 +107,13 @@ class LedgerGateway:
         result: ResultDisposition = await self._enqueue("result", envelope)
         return result
 
+    async def record_many(
+        self, envelopes: Sequence[ResultEnvelope]
+    ) -> list[ResultDisposition | BaseException]:
+        """Record many results (batched); each answer, or the exception for that result."""
+        futures = [self._enqueue("result", envelope) for envelope in envelopes]
+        return list(await asyncio.gather(*futures, return_exceptions=True))
+
     async def status(self, operation_id: str, host: str | None = None) -> OperationStatus:
         """Where one operation stands (as `Ledger.status`, asked for `host`)."""
         await asyncio.sleep(0)
