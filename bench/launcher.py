@@ -323,7 +323,48 @@ def _gc_pauses(_value: str) -> None:
     atexit.register(report)
 
 
+def _loop_stalls(value: str) -> None:
+    """Any asyncio process: log every callback that held the event loop longer than N ms.
+
+    For diagnosis of latency tails: a step of a task (a coroutine between two
+    awaits) that runs long delays every other request in the process. At exit
+    the count and the slowest steps, by coroutine, go to stderr.
+    """
+    import atexit
+    import time
+    from asyncio import events
+
+    limit = float(value or 5.0) / 1000
+    slow: dict[str, list[float]] = {}
+    original = events.Handle._run
+
+    def timed(self: Any) -> None:
+        started = time.perf_counter()
+        original(self)
+        took = time.perf_counter() - started
+        if took > limit:
+            callback = getattr(self, "_callback", None)
+            owner = getattr(callback, "__self__", None)
+            coro = getattr(owner, "get_coro", lambda: None)()
+            name = getattr(coro, "__qualname__", None) or repr(callback)[:80]
+            slow.setdefault(name, []).append(took)
+
+    events.Handle._run = timed  # type: ignore[method-assign]
+
+    def report() -> None:
+        ranked = sorted(slow.items(), key=lambda item: -max(item[1]))
+        for name, times in ranked[:15]:
+            print(
+                f"loop stall {name}: {len(times)} over {limit * 1e3:.0f} ms,"
+                f" longest {max(times) * 1e3:.1f} ms",
+                file=sys.stderr,
+            )
+
+    atexit.register(report)
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
+    "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
     "plain-handlers": _plain_handlers,
     "switch-interval": _switch_interval,

@@ -705,11 +705,13 @@ class Ledger:
         self.refresh()
         now = self._clock()
         expired = []
-        for row in self.projector.rows(state=OperationState.EXECUTING.value, limit=100_000):
-            operation = self.get(row.operation_id)
+        # The view names the candidates, so that a sweep loads only operations
+        # whose lease ran out, not every one in flight; the aggregate decides.
+        for operation_id in self.projector.lease_expiry_candidates(now):
+            operation = self.get(operation_id)
             if operation.lease and operation.lease["expires_at"] <= now:
-                self._update(row.operation_id, lambda op: op.expire_lease(now))
-                expired.append(row.operation_id)
+                self._update(operation_id, lambda op: op.expire_lease(now))
+                expired.append(operation_id)
         return expired
 
     def cancel(self, operation_id: str, *, by: str, reason: str = "") -> Operation:

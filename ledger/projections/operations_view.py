@@ -60,7 +60,8 @@ _SCHEMA = [
         approvals_required INTEGER NOT NULL DEFAULT 0,
         approvals_granted INTEGER NOT NULL DEFAULT 0,
         proposal_hash TEXT,
-        host TEXT NOT NULL DEFAULT ''
+        host TEXT NOT NULL DEFAULT '',
+        lease_expires_at TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS opledger_operations_budget"
     " ON opledger_operations (tenant, actor, tool, created_at)",
@@ -122,7 +123,11 @@ _STATE_CHANGES: dict[str, _Setter] = {
     "ApprovalDenied": {"state": "approval_denied", "approval_id": None},
     "ApprovalExpired": {"state": "approval_expired", "approval_id": None},
     "Readied": {"state": "ready", "approval_id": None},
-    "LeaseClaimed": {"state": "executing", "attempts": lambda e: e["attempt"]},
+    "LeaseClaimed": {
+        "state": "executing",
+        "attempts": lambda e: e["attempt"],
+        "lease_expires_at": lambda e: _normalized(e["lease_expires_at"]),
+    },
     "LeaseExpired": {"state": "outcome_unknown"},
     "OutcomeUnknown": {"state": "outcome_unknown"},
     "Succeeded": {"state": "succeeded"},
@@ -233,11 +238,25 @@ class OperationsProjector:
         with db.transaction():
             for statement in _SCHEMA:
                 db.execute(statement)
+            self._add_lease_column(db)
             db.execute(
                 "INSERT INTO opledger_positions (name, position) VALUES (?, 0)"
                 " ON CONFLICT (name) DO NOTHING",
                 (_NAME,),
             )
+
+    @staticmethod
+    def _add_lease_column(db: SqlDatabase) -> None:
+        # Views made before the column existed get it empty; the lease sweep
+        # treats an empty one as "look at the operation itself".
+        if db.is_postgres:
+            db.execute(
+                "ALTER TABLE opledger_operations ADD COLUMN IF NOT EXISTS lease_expires_at TEXT"
+            )
+            return
+        columns = {row[1] for row in db.query("PRAGMA table_info(opledger_operations)")}
+        if "lease_expires_at" not in columns:
+            db.execute("ALTER TABLE opledger_operations ADD COLUMN lease_expires_at TEXT")
 
     def position(self) -> int:
         """The last notification ID the view includes."""
@@ -355,6 +374,15 @@ class OperationsProjector:
             ):
                 found[operation_id] = (tool, tool_version, host)
         return found
+
+    def lease_expiry_candidates(self, now: datetime) -> list[str]:
+        """Executing operations whose lease ran out by `now` (or whose expiry the view lacks)."""
+        rows = self._db.query(
+            "SELECT operation_id FROM opledger_operations WHERE state = 'executing'"
+            " AND (lease_expires_at IS NULL OR lease_expires_at <= ?)",
+            (_iso(now),),
+        )
+        return [str(row[0]) for row in rows]
 
     def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
         """Accepted operations of `actor` for `tool` since `since` (for budgets).

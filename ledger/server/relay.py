@@ -133,18 +133,19 @@ class Relay:
                 await asyncio.wait_for(written.wait(), timeout=0.25)
             written.clear()
 
-    async def pump(self) -> int:
-        """Publish one batch of new events; returns how many (0: nothing new or not ours)."""
+    async def pump(self) -> bool:
+        """Publish one batch of new events; True if the batch was full (more may wait)."""
         claimed = await self._gateway.call(self._read_batch)
         if claimed is None:
-            return 0
-        position, messages = claimed
-        if not messages and position is None:
-            return 0
+            return False
+        position, messages, full = claimed
+        if position is None:
+            return False
         await self._publish(messages)
-        if position is not None:
-            self._position = position
-        return len(messages) or 1
+        self._position = position
+        # A short batch means the relay has caught up: asking again at once
+        # would cost a query per wake-up for nothing. New appends set `written`.
+        return full
 
     # ------------------------------------------------------------- ledger thread
 
@@ -198,14 +199,14 @@ class Relay:
         )
         self._position = self._saved_position = None
 
-    def _read_batch(self) -> tuple[int | None, list[_Message]] | None:
+    def _read_batch(self) -> tuple[int | None, list[_Message], bool] | None:
         position = self._claim()
         if position is None:
             return None
         ledger = self._ledger
         rows = list(ledger.stored_rows_after(position, self._batch))
         if not rows:
-            return None, []
+            return None, [], False
         self._learn_routes(rows)
         missing = {row[1] for row in rows if row[1] not in self._routes}
         now = time.monotonic()
@@ -224,7 +225,7 @@ class Relay:
             route = self._routes.get(row[1])
             if route is not None:
                 messages.extend(self._messages_for(row, *route))
-        return rows[-1][0], messages
+        return rows[-1][0], messages, len(rows) == self._batch
 
     def _learn_routes(self, rows: list[tuple[int, str, int, str, bytes]]) -> None:
         """Note each operation's tool, tool version and host from the events that name them.

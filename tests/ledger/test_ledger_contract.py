@@ -122,6 +122,39 @@ def test_expired_approvals_are_swept(storage: StorageConfig) -> None:
     assert ledger.get("mail-1").state is S.APPROVAL_EXPIRED
 
 
+def test_expired_leases_are_swept_and_only_they(storage: StorageConfig) -> None:
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    for operation_id in ("op-short", "op-long"):
+        ledger.submit(search(operation_id), ALICE)
+    ledger.claim("op-short", executor="exec-1", ttl=timedelta(seconds=10))
+    ledger.claim("op-long", executor="exec-1", ttl=timedelta(minutes=10))
+    assert ledger.expire_leases() == []
+    now[0] += timedelta(seconds=11)
+    ledger.refresh()
+    # The view names only the lease that ran out: the sweep loads nothing else.
+    assert ledger.projector.lease_expiry_candidates(now[0]) == ["op-short"]
+    assert ledger.expire_leases() == ["op-short"]
+    assert ledger.get("op-short").state is S.OUTCOME_UNKNOWN
+    assert ledger.get("op-long").state is S.EXECUTING
+
+
+def test_a_view_without_lease_expiries_gets_the_column_and_still_sweeps(
+    storage: StorageConfig,
+) -> None:
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    first = make_ledger(storage, clock=lambda: now[0])
+    first.submit(search("op-1"), ALICE)
+    first.claim("op-1", executor="exec-1", ttl=timedelta(seconds=10))
+    first.refresh()
+    first.db.execute("ALTER TABLE opledger_operations DROP COLUMN lease_expires_at")
+    first.close()
+    now[0] += timedelta(seconds=11)
+    second = make_ledger(storage, clock=lambda: now[0])  # an older view, upgraded
+    assert second.projector.lease_expiry_candidates(now[0]) == ["op-1"]  # unknown: looked at
+    assert second.expire_leases() == ["op-1"]
+
+
 def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
     ledger.submit(search("op-1"), ALICE)
     first = ledger.claim("op-1", executor="exec-1")
