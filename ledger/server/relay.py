@@ -48,7 +48,7 @@ _SETTLING = {
 }
 
 
-_REFRESH_EVERY_S = 0.1  # how far the operations view may fall behind while events flow
+_REFRESH_EVERY_S = 0.02  # how far the operations view may fall behind while events flow
 _ROUTES_KEPT = 100_000  # operations whose routes the relay remembers (oldest dropped first)
 _FINAL = frozenset(state.value for state in FINAL_STATES)
 
