@@ -315,8 +315,8 @@ def _gc_pauses(_value: str) -> None:
         for generation, times in pauses.items():
             if times:
                 print(
-                    f"gc gen{generation}: {len(times)} collections, total {sum(times) * 1e3:.1f} ms,"
-                    f" longest {max(times) * 1e3:.2f} ms",
+                    f"gc gen{generation}: {len(times)} collections,"
+                    f" total {sum(times) * 1e3:.1f} ms, longest {max(times) * 1e3:.2f} ms",
                     file=sys.stderr,
                 )
 
