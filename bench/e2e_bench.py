@@ -25,7 +25,8 @@ Per configuration (executors x fetch batch) it measures:
 Two host modes (`--host-modes`):
 
 - `sdk`: `host.propose(...)` then `host.outcome(op)`, the SDK's own path
-  (a subscription per operation plus one status request to the service);
+  (one outcome subscription per client; a status request only when no
+  announcement came within the SDK's poll interval);
 - `watch`: `host.propose(...)`, and one wildcard subscription on
   `ops.outcome.<host>.>` made before the run delivers every outcome.
 
@@ -40,7 +41,7 @@ there is edited), to say what each change would gain.
     python bench/e2e_bench.py [--ops 3000] [--concurrency 200] [--rate 200,20] \\
         [--duration 10] [--executors 1,2] [--batch 1,16] [--host-modes watch,sdk] \\
         [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
-        [--service-patches handlers=64,...] [--executor-patches exec-concurrent]
+        [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses]
 
 Targets on the 2-core reference machine: at least 1,000 operations/s end to
 end, and p99 under 15 ms at 200 operations/s.
@@ -417,9 +418,9 @@ class Stack:
                     "--stream", RAW_WORK_STREAM, "--consumer", RAW_WORK_CONSUMER,
                     "--result-subject", RAW_RESULT_SUBJECT,
                     "--batch", str(self.settings.batch), "--name", f"raw-{index}",
-                    # The baseline handles items the way the executors do.
-                    *(["--concurrent"] if "exec-concurrent" in self.settings.executor_patches
-                      else []),
+                    # The baseline handles items the way the executors do: the
+                    # items of one fetch concurrently.
+                    "--concurrent",
                 ],
                 cwd=REPO, env=self._env, stdout=log, stderr=subprocess.STDOUT,
             ))
@@ -910,9 +911,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cProfile the service and executors (slows them down)")
     parser.add_argument("--service-patches", type=_names, default=(),
                         help="experiments from bench/launcher.py PATCHES for the service, "
-                        "e.g. handlers=64,results-timeout (not fixes: what a fix would gain)")
+                        "e.g. loop-stalls=4,gc-pauses (diagnostics)")
     parser.add_argument("--executor-patches", type=_names, default=(),
-                        help="experiments for the executors, e.g. exec-concurrent")
+                        help="experiments for the executors, e.g. gc-pauses")
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, db)")
     return parser

@@ -9,18 +9,16 @@ threads; so `threading.Thread.run` is wrapped to give each thread its own
 profiler, and each writes `<thread name>.prof` into DIR when it ends (the main
 thread when the module returns or exits).
 
-`--patch NAME`: an *experiment*, applied in this process only, that mimics a
-change proposed for code outside `bench/` so that the benchmark can say what
-the change would gain. No file outside `bench/` is edited; none of these is a
-fix. See `PATCHES` for each one and the source change it stands for.
+`--patch NAME`: an *experiment*, applied in this process only: a diagnostic
+(how long GC or a loop step paused the process) or a change proposed for code
+outside `bench/`, so that the benchmark can say what it would gain. No file
+outside `bench/` is edited; none of these is a fix. See `PATCHES` for each.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import cProfile
-import logging
 import re
 import runpy
 import sqlite3
@@ -64,104 +62,6 @@ def _profile_threads(out: Path) -> None:
 # ------------------------------------------------------------------ experiments
 
 
-def _handlers(value: str) -> None:
-    """Service: run up to N request handlers at once per subject (default 1).
-
-    Stands for: `ledger/server/app.py`, `LedgerService._register`, pass
-    `max_workers=N` to the three `self.broker.subscriber(...)` calls. FastStream
-    core subscribers handle one message at a time by default, so proposals and
-    lease requests reach `LedgerGateway` one by one and every batch holds one
-    item: one SQLite transaction (with its WAL fsync) per proposal and per lease.
-    """
-    from faststream.nats import NatsBroker
-
-    workers = int(value or 64)
-    original = NatsBroker.subscriber
-
-    def subscriber(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get("stream") and not kwargs.get("pull_sub"):
-            kwargs.setdefault("max_workers", workers)
-        return original(self, *args, **kwargs)
-
-    NatsBroker.subscriber = subscriber  # type: ignore[method-assign]
-
-
-def _quiet_access_log(_value: str) -> None:
-    """Service: FastStream's per-message "Received"/"Processed" lines at DEBUG.
-
-    Stands for: `ledger/server/app.py`, `LedgerService.__init__`, build the
-    broker with `log_level=logging.DEBUG` (or tie it to `--log-level`): the
-    service writes two INFO lines per request whatever `--log-level` says.
-    """
-    from faststream.nats import NatsBroker
-
-    original = NatsBroker.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("log_level", logging.DEBUG)
-        original(self, *args, **kwargs)
-
-    NatsBroker.__init__ = init  # type: ignore[method-assign]
-
-
-def _results_timeout(_value: str) -> None:
-    """Service: treat nats-py's plain `asyncio.TimeoutError` from `fetch` as "no results".
-
-    Stands for: `ledger/server/app.py`, `LedgerService._consume_results`, catch
-    the builtin `TimeoutError` (nats-py's own one subclasses it). nats-py's `_fetch_n` raises a bare
-    `asyncio.TimeoutError` when its deadline passed before the long poll (a
-    busy loop); the service logs it as a failure and sleeps 1 s, with results
-    waiting.
-    """
-    from ledger.server import app
-    from schemas import RESULTS_CONSUMER, RESULTS_STREAM
-
-    async def consume(self: Any, js: Any) -> None:
-        subscription = await js.pull_subscribe_bind(RESULTS_CONSUMER, stream=RESULTS_STREAM)
-        while True:
-            try:
-                messages = await subscription.fetch(self.options.result_batch, timeout=1)
-            except TimeoutError:  # nats-py's own TimeoutError subclasses it
-                continue
-            except Exception:
-                app._log.exception("fetching results failed")
-                await asyncio.sleep(1)
-                continue
-            await self._record(messages)
-
-    app.LedgerService._consume_results = consume  # type: ignore[method-assign]
-
-
-def _exec_concurrent(_value: str) -> None:
-    """Executor: handle the items of one fetch concurrently, not one after another.
-
-    Stands for: `executors/_runner.py`, `ExecutorRunner._loop`, run
-    `self.handle(msg)` for the fetched messages under `asyncio.gather` (or
-    keep up to `--batch` items in flight with a semaphore and fetch as slots
-    free up). Today each item waits for its lease round trip and its result
-    PubAck before the next starts, so one executor does at most
-    1 / (lease RTT + PubAck RTT) items per second, and `--batch` changes nothing.
-    """
-    import nats.errors
-
-    from executors._runner import ExecutorRunner
-
-    async def loop(self: Any, sub: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                messages = await sub.fetch(self._batch, timeout=self._fetch_timeout)
-            except TimeoutError:  # also the bare one nats-py raises at times (see above)
-                continue
-            except nats.errors.ConnectionClosedError:
-                return
-            except Exception:
-                await self._pause(1.0)
-                continue
-            await asyncio.gather(*(self.handle(message) for message in messages))
-
-    ExecutorRunner._loop = loop  # type: ignore[method-assign]
-
-
 def _sqlite_normal(_value: str) -> None:
     """Service: `PRAGMA synchronous=NORMAL` on every SQLite connection (event store too).
 
@@ -190,103 +90,9 @@ def _switch_interval(value: str) -> None:
     one switch interval, so a transaction of a dozen statements waits for the
     loop's Python work many times over ("convoy effect"). If a shorter
     interval makes the ledger thread's work much faster, that is where its
-    time went. The real fix is `inline-ledger` or fewer statements per batch.
+    time went. (The service now runs ledger work on the loop thread itself.)
     """
     sys.setswitchinterval(float(value or 0.0005))
-
-
-def _inline_ledger(_value: str) -> None:
-    """Service: run ledger work on the event loop thread instead of the ledger thread.
-
-    Stands for: `ledger/server/gateway.py`, `LedgerGateway` (its
-    `ThreadPoolExecutor(max_workers=1)` and `run_in_executor` calls), call the
-    ledger directly. Both threads need the GIL for nearly all their work, so
-    the thread buys no parallelism, only hand-offs (a future, a self-pipe
-    wake-up per call) and GIL convoys; SQLite's own waits (an fsync is about
-    0.2 ms on this disk) are short. With batches of many operations per call,
-    blocking the loop for one batch is the cheaper trade.
-    """
-    from concurrent.futures import Executor, Future
-
-    from ledger.server import gateway
-
-    class InlineExecutor(Executor):
-        def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-            future: Future[Any] = Future()
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as exc:
-                future.set_exception(exc)
-            return future
-
-    original = gateway.LedgerGateway.__init__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        self._thread.shutdown(wait=False)
-        self._thread = InlineExecutor()
-
-    gateway.LedgerGateway.__init__ = init  # type: ignore[method-assign]
-
-
-def _plain_handlers(value: str) -> None:
-    """Service: serve propose/status/lease with plain nats-py subscriptions, not FastStream.
-
-    Stands for: `ledger/server/app.py`, `LedgerService._register` / `start`,
-    subscribe with `nc.subscribe(subject, queue=..., cb=...)` and start one
-    task per request (at most N at once) that calls the same `_propose` /
-    `_status` / `_lease` and answers through the same `reply_allowed` check.
-    Per request FastStream runs its middleware and dependency machinery,
-    writes two log lines and hops to a worker thread about eight times
-    (`fast_depends.utils.run_in_threadpool` for sync steps): CPU the ledger
-    needs for itself. Implies `handlers` (requests run concurrently).
-    """
-    from ledger.nats.security import reply_allowed
-    from ledger.server import app
-
-    limit = int(value or 256)
-    original_start = app.LedgerService.start
-
-    def register(_self: Any) -> None:
-        return None  # no FastStream subscribers: `start` subscribes below
-
-    async def start(self: Any) -> None:
-        await original_start(self)
-        nc = self.broker.connection
-        slots = asyncio.Semaphore(limit)
-        running: set[asyncio.Task[None]] = set()
-
-        async def serve(message: Any, handle: Callable[[bytes, str], Any]) -> None:
-            try:
-                payload = await handle(message.data, message.subject.rsplit(".", 1)[-1])
-                if not isinstance(payload, bytes):
-                    payload = app._reply(payload)
-                if reply_allowed(message.subject, message.reply):
-                    await nc.publish(message.reply, payload)
-            except Exception:
-                app._log.exception("request on %s failed", message.subject)
-            finally:
-                slots.release()
-
-        def route(handle: Callable[[bytes, str], Any]) -> Callable[[Any], Any]:
-            async def callback(message: Any) -> None:
-                await slots.acquire()  # back-pressure: the subscription queues the rest
-                task = asyncio.get_running_loop().create_task(serve(message, handle))
-                running.add(task)
-                task.add_done_callback(running.discard)
-
-            return callback
-
-        queue = self.options.queue_group
-        self._bench_subscriptions = [
-            await nc.subscribe("ops.propose.*", queue=queue, cb=route(self._propose)),
-            await nc.subscribe("ops.status.*", queue=queue, cb=route(self._status)),
-            await nc.subscribe("ops.lease.*", queue=queue, cb=route(self._lease)),
-        ]
-        self._bench_running = running
-
-    app.LedgerService._register = register  # type: ignore[method-assign]
-    app.LedgerService.start = start  # type: ignore[method-assign]
 
 
 def _gc_pauses(_value: str) -> None:
@@ -366,13 +172,7 @@ def _loop_stalls(value: str) -> None:
 PATCHES: dict[str, Callable[[str], None]] = {
     "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
-    "plain-handlers": _plain_handlers,
     "switch-interval": _switch_interval,
-    "inline-ledger": _inline_ledger,
-    "handlers": _handlers,
-    "quiet-access-log": _quiet_access_log,
-    "results-timeout": _results_timeout,
-    "exec-concurrent": _exec_concurrent,
     "sqlite-normal": _sqlite_normal,
 }
 """Experiment name → function applying it (its docstring names the source change)."""

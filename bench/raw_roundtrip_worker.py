@@ -2,12 +2,11 @@
 
 It does what an executor does on the wire and nothing else: fetch work items
 from a durable pull consumer (`--batch` at a time), publish a result to a
-results stream and wait for its PubAck, then ack the work item; items of one
-fetch one after another, as `executors._runner.ExecutorRunner` handles them.
-So the round trip it gives is the JetStream floor under one operation, in the
-same process layout (a separate process) as the real executor. With
-`--concurrent` the items of one fetch run concurrently instead, mirroring the
-`exec-concurrent` experiment of `bench/launcher.py`.
+results stream and wait for its PubAck, then ack the work item. With
+`--concurrent` (what the benchmark passes) the items of one fetch run
+concurrently, as `executors._runner.ExecutorRunner` runs them; without it one
+after another. So the round trip it gives is the JetStream floor under one
+operation, in the same process layout (a separate process) as the real executor.
 
     python bench/raw_roundtrip_worker.py --nats-url URL --seed FILE --stream S \\
         --consumer C --result-subject SUBJ [--batch 1] [--max-seconds 900]
@@ -41,8 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default="raw-worker")
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--concurrent", action="store_true",
-                        help="handle the items of one fetch concurrently (as the "
-                        "exec-concurrent experiment makes the executor do)")
+                        help="handle the items of one fetch concurrently (as executors do)")
     return parser
 
 
