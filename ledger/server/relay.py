@@ -301,12 +301,13 @@ class Relay:
         # subscription (`publish_async`: no task, request inbox or timer per
         # message). Any failure raises, and the position stays where it was,
         # so the whole batch is published again (deduplicated by message ID).
+        # Outcome notices go out with them, not after the PubAcks: the outcome
+        # is committed in the ledger already, and a host waits for it.
         acks: list[asyncio.Future[Any]] = []
-        notices: list[_Message] = []
         try:
             for message in messages:
                 if message.message_id is None:
-                    notices.append(message)
+                    await self._nc.publish(message.subject, message.payload)
                 else:
                     acks.append(
                         await self._js.publish_async(
@@ -321,7 +322,3 @@ class Relay:
             for ack in acks:
                 ack.cancel()  # frees its slot among the pending publishes
             raise
-        # Outcome notices only once the events behind them are stored: a host
-        # that hears of an outcome can read it on the feed.
-        for message in notices:
-            await self._nc.publish(message.subject, message.payload)
