@@ -38,16 +38,7 @@ _log = logging.getLogger("opledger.executor")
 
 
 def _quiet_gc() -> None:
-    """Keep the cyclic garbage collector from pausing the event loop mid-request.
-
-    Measured in `bench/e2e_bench.py` (launcher experiment `gc-pauses`) with
-    Python's default thresholds: full collections paused the ledger service
-    for up to 50 ms and an executor for up to 30 ms, the p99 latency of the
-    whole path. Everything loaded at start (modules, contracts, schemas) is
-    moved out of the collector's sight, and collections run less often, so
-    full ones (which walk every tracked object) are rare; the young
-    generations stay small enough to collect in about a millisecond.
-    """
+    """Keep the garbage collector from pausing the loop (why: `ledger.server.main._quiet_gc`)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(2_000, 10, 100)
