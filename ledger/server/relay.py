@@ -194,7 +194,8 @@ class Relay:
         if self._position is None:
             return
         self._ledger.db.execute(
-            "UPDATE opledger_relay SET position = ?, until = NULL WHERE name = ? AND owner = ?",
+            "UPDATE opledger_relay SET position = ?, owner = NULL, until = NULL"
+            " WHERE name = ? AND owner = ?",
             (self._position, _NAME, self._owner),
         )
         self._position = self._saved_position = None
