@@ -384,6 +384,27 @@ def test_lease_protocol_converges_after_a_lost_executor(storage: StorageConfig) 
     ]
 
 
+def test_status_for_another_host_is_reported_like_a_missing_operation(ledger: Ledger) -> None:
+    ledger.submit(search("op-1"), ALICE, host="h1")
+    assert ledger.status("op-1", host="h1").state == "ready"
+    with pytest.raises(OperationNotFound):
+        ledger.status("op-1", host="h2")
+    with pytest.raises(OperationNotFound):
+        ledger.status("op-missing", host="h1")
+
+
+def test_status_is_never_an_outdated_copy_when_another_instance_wrote(
+    storage: StorageConfig,
+) -> None:
+    first, second = make_ledger(storage), make_ledger(storage)
+    first.submit(search("op-1"), ALICE)  # `first` now holds a copy at `ready`
+    assert first.status("op-1").state == "ready"
+    second.claim("op-1", executor="exec-1")
+    assert first.status("op-1").state == "executing"
+    first.close()
+    second.close()
+
+
 def test_status_of_a_pending_approval_is_not_final(ledger: Ledger) -> None:
     ledger.submit(email("mail-1"), ALICE)
     status = ledger.status("mail-1")
