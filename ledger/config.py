@@ -33,7 +33,7 @@ from pydantic_settings import (
 )
 
 from ledger.adapters.storage import StorageConfig
-from schemas import ErrorCategory, OpledgerError
+from schemas import TOKEN_PATTERN, ErrorCategory, OpledgerError
 
 __all__ = [
     "CONFIG_FILE_NAME",
@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "OPLEDGER_"
+_TOKEN = re.compile(TOKEN_PATTERN)
 """The prefix of every environment variable opledger reads."""
 
 DEFAULT_HOME = Path(".opledger")
@@ -95,6 +96,9 @@ class Settings(BaseSettings):
 
     creds_dir: Path | None = None
     """The directory of NATS credentials; unset means `<home>/creds`."""
+
+    host_tenants: dict[str, frozenset[str]] | None = None
+    """Agent host → the tenants it may act for; unset trusts every host for every tenant."""
 
     def __init__(self, **values: Any) -> None:
         """Read the settings; raises `ConfigError` instead of a validation report."""
@@ -150,6 +154,17 @@ class Settings(BaseSettings):
         _check_contracts_dir(self.contracts_dir)
         if self.nats_url is not None:
             _check_nats_url(self.nats_url)
+        for host, tenants in (self.host_tenants or {}).items():
+            if not _TOKEN.fullmatch(host):
+                raise ConfigError(
+                    f"host_tenants names the host {host!r}, which is not a valid host name",
+                    setting="host_tenants",
+                )
+            if not tenants:
+                raise ConfigError(
+                    f"host_tenants gives the host {host!r} no tenant; leave it out instead",
+                    setting="host_tenants",
+                )
         return self
 
     def storage(self) -> StorageConfig:

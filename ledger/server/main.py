@@ -79,6 +79,7 @@ def _fill_from_settings(args: argparse.Namespace) -> None:
         args.creds = seed if seed.exists() else None
     if not args.nats_url:
         raise ConfigError("no NATS URL: give --nats-url or set OPLEDGER_NATS_URL")
+    args.host_tenants = settings.host_tenants
 
 
 def _plugins(spec: str) -> tuple[Any, Any]:
@@ -168,6 +169,7 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
             declare=declare,
             metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
+            allowed_tenants=args.host_tenants,
         ),
     )
     try:

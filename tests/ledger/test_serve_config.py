@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from ledger import StorageConfig
+from ledger.config import Settings
+from ledger.server.app import LedgerService, ServiceOptions
+from ledger.server.gateway import LedgerGateway
 from ledger.server.main import run_service_main
+from schemas import ProposalEnvelope
+from tests.ledger.helpers import ALICE, make_ledger, search
 
 
 @pytest.mark.parametrize(
@@ -45,3 +51,67 @@ def test_settings_file_supplies_what_flags_leave_unset(
     (tmp_path / "opledger.toml").write_text('database = "mysql://from-the-file"\n')
     assert run_service_main(["--nats-url", "nats://127.0.0.1:1"]) == 2
     assert "unknown scheme 'mysql://'" in capsys.readouterr().err
+
+
+def test_a_host_name_that_is_not_a_subject_token_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
+    monkeypatch.delenv("OPLEDGER_HOST_TENANTS", raising=False)
+    (tmp_path / "opledger.toml").write_text('[host_tenants]\n"h1.x" = ["acme"]\n')
+    assert run_service_main(["--nats-url", "nats://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "INVALID_CONFIG: host_tenants names the host 'h1.x'" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_host_tenants_come_from_the_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
+    monkeypatch.delenv("OPLEDGER_HOST_TENANTS", raising=False)
+    assert Settings().host_tenants is None  # unset: every host for every tenant
+    (tmp_path / "opledger.toml").write_text('[host_tenants]\nh1 = ["acme", "globex"]\n')
+    assert Settings().host_tenants == {"h1": frozenset({"acme", "globex"})}
+    # Per host, the environment's list wins over the file's (the sources merge).
+    monkeypatch.setenv("OPLEDGER_HOST_TENANTS", '{"h1": ["acme"], "h2": ["initech"]}')
+    assert Settings().host_tenants == {"h1": frozenset({"acme"}), "h2": frozenset({"initech"})}
+
+
+@pytest.mark.anyio
+async def test_the_service_refuses_a_tenant_its_host_may_not_act_for(tmp_path: Path) -> None:
+    ledger = make_ledger(StorageConfig.sqlite(tmp_path / "ledger.db"))
+    service = LedgerService(
+        ledger,
+        ServiceOptions(
+            nats_url="nats://127.0.0.1:1", allowed_tenants={"h1": frozenset({"acme"})}
+        ),
+    )
+    service.gateway = LedgerGateway(ledger)
+    service.gateway.start()
+    try:
+        envelope = ProposalEnvelope(proposal=search("op-1"), context=ALICE)  # tenant acme
+        body = envelope.model_dump_json().encode()
+        refused = await service._propose(body, "h2")
+        assert refused.error is not None and refused.error.code == "TENANT_NOT_ALLOWED"
+        accepted = await service._propose(body, "h1")
+        assert accepted.error is None and accepted.state == "ready"
+        assert [row.operation_id for row in ledger.projector.rows()] == []  # not yet projected
+        ledger.refresh()
+        assert [row.host for row in ledger.projector.rows()] == ["h1"]  # only h1's went in
+    finally:
+        await service.gateway.stop()
+        ledger.close()
+
+
+def test_serve_takes_host_tenants_from_the_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ledger.server import main
+
+    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
+    monkeypatch.delenv("OPLEDGER_HOST_TENANTS", raising=False)
+    (tmp_path / "opledger.toml").write_text('[host_tenants]\nh1 = ["acme"]\n')
+    args = main.build_parser().parse_args(["--nats-url", "nats://127.0.0.1:1"])
+    main._fill_from_settings(args)
+    assert args.host_tenants == {"h1": frozenset({"acme"})}
