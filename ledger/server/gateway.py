@@ -87,7 +87,6 @@ class LedgerGateway:
 
     async def call(self, fn: Callable[..., Out], *args: Any) -> Out:
         """Run any ledger function between batches (unbatched)."""
-        await asyncio.sleep(0)  # let a batch that is being assembled go first
         return fn(*args)
 
     # ------------------------------------------------------------------ requests
@@ -116,7 +115,6 @@ class LedgerGateway:
 
     async def status(self, operation_id: str, host: str | None = None) -> OperationStatus:
         """Where one operation stands (as `Ledger.status`, asked for `host`)."""
-        await asyncio.sleep(0)
         return self.ledger.status(operation_id, host=host)
 
     def _enqueue(self, lane: str, item: Any) -> asyncio.Future[Any]:

@@ -48,6 +48,7 @@ _SETTLING = {
 }
 
 
+_POLL_S = 0.25  # how often the relay looks for events that other instances wrote
 _REFRESH_EVERY_S = 0.02  # how far the operations view may fall behind while events flow
 _ROUTES_KEPT = 100_000  # operations whose routes the relay remembers (oldest dropped first)
 _FINAL = frozenset(state.value for state in FINAL_STATES)
@@ -129,8 +130,15 @@ class Relay:
                 _log.exception("relay failed; retrying")
                 self._position = None  # read the position again from the row
                 await asyncio.sleep(1)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(written.wait(), timeout=0.25)
+            # Woken by the gateway after each batch, and by the poll timer for
+            # what other instances write (no timeout wrapper per wait: a task
+            # and a timer per wake-up add up at low rates).
+            if not written.is_set():
+                poll = asyncio.get_running_loop().call_later(_POLL_S, written.set)
+                try:
+                    await written.wait()
+                finally:
+                    poll.cancel()
             written.clear()
 
     async def pump(self) -> bool:
