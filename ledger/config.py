@@ -33,7 +33,7 @@ from pydantic_settings import (
 )
 
 from ledger.adapters.storage import StorageConfig
-from schemas import TOKEN_PATTERN, ErrorCategory, OpledgerError
+from schemas import ErrorCategory, OpledgerError, check_token
 
 __all__ = [
     "CONFIG_FILE_NAME",
@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "OPLEDGER_"
-_TOKEN = re.compile(TOKEN_PATTERN)
 """The prefix of every environment variable opledger reads."""
 
 DEFAULT_HOME = Path(".opledger")
@@ -155,11 +154,13 @@ class Settings(BaseSettings):
         if self.nats_url is not None:
             _check_nats_url(self.nats_url)
         for host, tenants in (self.host_tenants or {}).items():
-            if not _TOKEN.fullmatch(host):
+            try:
+                check_token(host)  # the same rule as the host's subjects
+            except ValueError:
                 raise ConfigError(
                     f"host_tenants names the host {host!r}, which is not a valid host name",
                     setting="host_tenants",
-                )
+                ) from None
             if not tenants:
                 raise ConfigError(
                     f"host_tenants gives the host {host!r} no tenant; leave it out instead",
