@@ -15,6 +15,22 @@ from ledger.server.main import run_service_main
 from schemas import ProposalEnvelope
 from tests.ledger.helpers import ALICE, make_ledger, search
 
+_OVERRIDES = ("OPLEDGER_DATABASE", "OPLEDGER_NATS_URL", "OPLEDGER_CONTRACTS_DIR",
+              "OPLEDGER_HOST_TENANTS")
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`OPLEDGER_HOME` in a fresh directory, with no setting inherited from the environment."""
+    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
+    for name in _OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def _settings_file(home: Path, text: str) -> None:
+    (home / "opledger.toml").write_text(text)
+
 
 @pytest.mark.parametrize(
     ("env", "argv", "message"),
@@ -27,12 +43,9 @@ from tests.ledger.helpers import ALICE, make_ledger, search
     ],
 )
 def test_misconfiguration_is_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     env: dict[str, str], argv: list[str], message: str,
 ) -> None:
-    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
-    for name in ("OPLEDGER_DATABASE", "OPLEDGER_NATS_URL", "OPLEDGER_CONTRACTS_DIR"):
-        monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert run_service_main(argv) == 2
@@ -44,21 +57,17 @@ def test_misconfiguration_is_one_line(
 
 
 def test_settings_file_supplies_what_flags_leave_unset(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
-    monkeypatch.delenv("OPLEDGER_NATS_URL", raising=False)
-    (tmp_path / "opledger.toml").write_text('database = "mysql://from-the-file"\n')
+    _settings_file(home, 'database = "mysql://from-the-file"\n')
     assert run_service_main(["--nats-url", "nats://127.0.0.1:1"]) == 2
     assert "unknown scheme 'mysql://'" in capsys.readouterr().err
 
 
 def test_a_host_name_that_is_not_a_subject_token_is_refused_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
-    monkeypatch.delenv("OPLEDGER_HOST_TENANTS", raising=False)
-    (tmp_path / "opledger.toml").write_text('[host_tenants]\n"h1.x" = ["acme"]\n')
+    _settings_file(home, '[host_tenants]\n"h1.x" = ["acme"]\n')
     assert run_service_main(["--nats-url", "nats://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert "INVALID_CONFIG: host_tenants names the host 'h1.x'" in err
@@ -66,12 +75,10 @@ def test_a_host_name_that_is_not_a_subject_token_is_refused_in_one_line(
 
 
 def test_host_tenants_come_from_the_file_or_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
-    monkeypatch.delenv("OPLEDGER_HOST_TENANTS", raising=False)
     assert Settings().host_tenants is None  # unset: every host for every tenant
-    (tmp_path / "opledger.toml").write_text('[host_tenants]\nh1 = ["acme", "globex"]\n')
+    _settings_file(home, '[host_tenants]\nh1 = ["acme", "globex"]\n')
     assert Settings().host_tenants == {"h1": frozenset({"acme", "globex"})}
     # Per host, the environment's list wins over the file's (the sources merge).
     monkeypatch.setenv("OPLEDGER_HOST_TENANTS", '{"h1": ["acme"], "h2": ["initech"]}')
@@ -104,14 +111,10 @@ async def test_the_service_refuses_a_tenant_its_host_may_not_act_for(tmp_path: P
         ledger.close()
 
 
-def test_serve_takes_host_tenants_from_the_settings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_serve_takes_host_tenants_from_the_settings(home: Path) -> None:
     from ledger.server import main
 
-    monkeypatch.setenv("OPLEDGER_HOME", str(tmp_path))
-    monkeypatch.delenv("OPLEDGER_HOST_TENANTS", raising=False)
-    (tmp_path / "opledger.toml").write_text('[host_tenants]\nh1 = ["acme"]\n')
+    _settings_file(home, '[host_tenants]\nh1 = ["acme"]\n')
     args = main.build_parser().parse_args(["--nats-url", "nats://127.0.0.1:1"])
     main._fill_from_settings(args)
     assert args.host_tenants == {"h1": frozenset({"acme"})}
