@@ -771,19 +771,12 @@ class Ledger:
     def _stored_ids(self, operation_ids: Iterable[str | None]) -> set[str]:
         """Which of these operation IDs have events (batched `IN` queries)."""
         ids = [operation_id for operation_id in dict.fromkeys(operation_ids) if operation_id]
-        found: set[str] = set()
-        for start in range(0, len(ids), 500):
-            chunk = ids[start : start + 500]
-            marks = ", ".join("?" * len(chunk))
-            found.update(
-                str(row[0])
-                for row in self.db.query(
-                    f"SELECT originator_id FROM {self.events_table}"
-                    f" WHERE originator_id IN ({marks}) AND originator_version = 1",
-                    chunk,
-                )
-            )
-        return found
+        rows = self.db.query_in(
+            f"SELECT originator_id FROM {self.events_table}"
+            " WHERE originator_id IN ({marks}) AND originator_version = 1",
+            ids,
+        )
+        return {str(row[0]) for row in rows}
 
     def _stored_version(self, operation_id: str) -> int | None:
         rows = self.db.query(

@@ -108,6 +108,20 @@ class SqlDatabase:
             cursor = self._conn.execute(self._sql(statement), params)
             return [tuple(row) for row in cursor.fetchall()]
 
+    def query_in(
+        self, statement: str, values: Sequence[Any], *, chunk: int = 500
+    ) -> list[tuple[Any, ...]]:
+        """Rows of `statement` for every value, its `{marks}` filled in per chunk.
+
+        `... WHERE id IN ({marks})` for a list of any length: chunks stay far
+        below SQLite's parameter limit.
+        """
+        rows: list[tuple[Any, ...]] = []
+        for start in range(0, len(values), chunk):
+            part = values[start : start + chunk]
+            rows.extend(self.query(statement.format(marks=", ".join("?" * len(part))), part))
+        return rows
+
     def close(self) -> None:
         """Close the connection."""
         with self._lock:

@@ -140,9 +140,6 @@ _STATE_CHANGES: dict[str, _Setter] = {
 }
 
 
-_IN_CHUNK = 500  # IDs per `IN (...)` query: far below SQLite's parameter limit
-
-
 def _event_type(topic: str) -> str:
     return topic.rsplit(".", 1)[-1]
 
@@ -362,18 +359,12 @@ class OperationsProjector:
 
     def routes(self, operation_ids: Iterable[str]) -> dict[str, tuple[str, str | None, str]]:
         """operation ID → (tool, tool version, host), for the IDs the view has (batched)."""
-        ids = list(dict.fromkeys(operation_ids))
-        found: dict[str, tuple[str, str | None, str]] = {}
-        for start in range(0, len(ids), _IN_CHUNK):
-            chunk = ids[start : start + _IN_CHUNK]
-            marks = ", ".join("?" * len(chunk))
-            for operation_id, tool, tool_version, host in self._db.query(
-                "SELECT operation_id, tool, tool_version, host FROM opledger_operations"
-                f" WHERE operation_id IN ({marks})",
-                chunk,
-            ):
-                found[operation_id] = (tool, tool_version, host)
-        return found
+        rows = self._db.query_in(
+            "SELECT operation_id, tool, tool_version, host FROM opledger_operations"
+            " WHERE operation_id IN ({marks})",
+            list(dict.fromkeys(operation_ids)),
+        )
+        return {operation_id: (tool, version, host) for operation_id, tool, version, host in rows}
 
     def lease_expiry_candidates(self, now: datetime) -> list[str]:
         """Executing operations whose lease ran out by `now` (or whose expiry the view lacks)."""
