@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections import OrderedDict
 from typing import Any
 
 import nats
@@ -27,6 +26,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from pydantic import ValidationError
 
+from ledger._recent import Recent
 from schemas import (
     ErrorCategory,
     ErrorInfo,
@@ -87,14 +87,13 @@ class AgentHostClient:
         self.host = check_token(host)
         self._timeout = timeout
         self._poll = poll_interval
-        self._remembered = remembered
         self._outcomes: Subscription | None = None
         self._subscribing = asyncio.Lock()
         # Final statuses announced but not yet asked for, and the operations
         # proposed since the subscription started (their notices will come
         # to it); both bounded, oldest dropped first.
-        self._announced: OrderedDict[str, OperationStatus] = OrderedDict()
-        self._proposed: OrderedDict[str, None] = OrderedDict()
+        self._announced: Recent[str, OperationStatus] = Recent(remembered)
+        self._proposed: Recent[str, None] = Recent(remembered)
         self._waiters: dict[str, list[asyncio.Future[OperationStatus]]] = {}
 
     @classmethod
@@ -131,13 +130,7 @@ class AgentHostClient:
                 if not waiter.done():
                     waiter.set_result(status)
             return
-        self._remember(self._announced, status.operation_id, status)
-
-    def _remember(self, memory: OrderedDict[str, Any], key: str, value: Any) -> None:
-        memory[key] = value
-        memory.move_to_end(key)
-        while len(memory) > self._remembered:
-            memory.popitem(last=False)
+        self._announced.remember(status.operation_id, status)
 
     async def _request(self, subject: str, payload: bytes, attempts: int) -> bytes:
         for attempt in range(attempts):
@@ -169,7 +162,7 @@ class AgentHostClient:
             proposal = proposal.model_copy(update={"operation_id": operation_id})
         envelope = ProposalEnvelope(proposal=proposal, context=context)
         await self._listen()  # before the proposal: its outcome may come at once
-        self._remember(self._proposed, operation_id, None)
+        self._proposed.remember(operation_id, None)
         data = await self._request(
             Subjects.propose(self.host), envelope.model_dump_json().encode(), attempts
         )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -22,6 +21,7 @@ import orjson
 from eventsourcing.application import AggregateNotFoundError
 from eventsourcing.persistence import IntegrityError
 
+from ledger._recent import Recent
 from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.results import ResultStore
 from ledger.adapters.sql import SqlDatabase
@@ -153,8 +153,7 @@ class Ledger:
         # is harmless: its append fails on the version check and the command
         # runs again on the stored state; a refusal from a cached state is
         # likewise re-checked against the stored one before it is believed.
-        self._cache: OrderedDict[str, Operation] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache: Recent[str, Operation] = Recent(cache_size)
         self._cache_lock = threading.Lock()
 
     # ------------------------------------------------------------------ reading
@@ -352,10 +351,7 @@ class Ledger:
             raise
         with self._cache_lock:
             for operation in operations:
-                self._cache[operation.id] = operation
-                self._cache.move_to_end(operation.id)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+                self._cache.remember(operation.id, operation)
 
     def _forget(self, *operation_ids: str) -> None:
         with self._cache_lock:

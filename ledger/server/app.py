@@ -3,10 +3,10 @@
 A FastStream `NatsBroker` owns the connection and its lifecycle. The
 request/reply subjects are served in a queue group by lean nats-py
 subscriptions (`ledger.server.requests`), so several service instances share
-the load without answering twice. Results
-come from a durable JetStream pull consumer shared the same way. Every handler
-parses its input itself and always answers with a structured message: a bad
-request gets an error envelope, never silence or a stack trace.
+the load without answering twice. Results come from a durable JetStream pull
+consumer shared the same way. Every handler parses its input itself and always
+answers with a structured message: a bad request gets an error envelope, never
+silence or a stack trace.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class LedgerService:
         )
         await requests.serve("ops.propose.*", self._on_propose)
         await requests.serve("ops.status.*", self._on_status)
-        await requests.serve("ops.lease.*", self._on_lease)
+        await requests.serve("ops.lease.*", self._lease)
         self._requests = requests
 
     async def _on_propose(self, body: bytes, host: str) -> bytes:
@@ -133,9 +133,6 @@ class LedgerService:
 
     async def _on_status(self, body: bytes, host: str) -> bytes:
         return _reply(await self._status(body, host))
-
-    async def _on_lease(self, body: bytes, tool: str) -> bytes:
-        return await self._lease(body, tool)
 
     @property
     def _gateway(self) -> LedgerGateway:

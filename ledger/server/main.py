@@ -47,8 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         " (default: <OPLEDGER_CREDS_DIR>/ledger-<name>.nk, if it exists)",
     )
     parser.add_argument("--name", default="ledger", help="the ledger identity's name")
-    parser.add_argument("--contracts", type=Path,
-                        help="contract directory (default: OPLEDGER_CONTRACTS_DIR, else samples)")
+    parser.add_argument(
+        "--contracts",
+        type=Path,
+        help="contract directory (default: OPLEDGER_CONTRACTS_DIR, else samples)",
+    )
     parser.add_argument("--tools", default="", help="comma-separated tools to declare work for")
     parser.add_argument(
         "--plugins",

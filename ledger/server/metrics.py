@@ -8,11 +8,12 @@ argument value (those belong in the ledger and traces, not in label sets).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from ledger._recent import Recent
 
 __all__ = ["LedgerMetrics"]
 
@@ -57,16 +58,14 @@ class LedgerMetrics:
             "From reconciliation start to its end",
             registry=r,
         )
-        self._started: OrderedDict[tuple[str, str], datetime] = OrderedDict()
+        self._started: Recent[tuple[str, str], datetime] = Recent(_OPEN_LIMIT)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose `/metrics` over HTTP."""
         start_http_server(port, addr=addr, registry=self.registry)
 
     def _start(self, kind: str, operation_id: str, at: datetime) -> None:
-        self._started[(kind, operation_id)] = at
-        while len(self._started) > _OPEN_LIMIT:
-            self._started.popitem(last=False)
+        self._started.remember((kind, operation_id), at)
 
     def _since(self, kind: str, operation_id: str, at: datetime) -> float | None:
         started = self._started.pop((kind, operation_id), None)

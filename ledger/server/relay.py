@@ -17,7 +17,6 @@ import logging
 import socket
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,7 +25,9 @@ import orjson
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from ledger._recent import Recent
 from ledger.audit.export import feed_record
+from ledger.audit.verify import StoredRow
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.service import FINAL_STATES, Ledger
@@ -96,7 +97,7 @@ class Relay:
         self._held_until = datetime.min.replace(tzinfo=UTC)
         self._saved_at = datetime.min.replace(tzinfo=UTC)
         self._refreshed_at = 0.0
-        self._routes: OrderedDict[str, tuple[str, str | None, str]] = OrderedDict()
+        self._routes: Recent[str, tuple[str, str | None, str]] = Recent(_ROUTES_KEPT)
         self._ledger.db.execute(
             "CREATE TABLE IF NOT EXISTS opledger_relay ("
             " name TEXT PRIMARY KEY, position BIGINT NOT NULL, owner TEXT, until TEXT)"
@@ -228,7 +229,7 @@ class Relay:
             self._refreshed_at = now
         if missing:
             for operation_id, found in ledger.projector.routes(missing).items():
-                self._remember(operation_id, found)
+                self._routes.remember(operation_id, found)
         messages: list[_Message] = []
         for row in rows:
             route = self._routes.get(row[1])
@@ -236,7 +237,7 @@ class Relay:
                 messages.extend(self._messages_for(row, *route))
         return rows[-1][0], messages, len(rows) == self._batch
 
-    def _learn_routes(self, rows: list[tuple[int, str, int, str, bytes]]) -> None:
+    def _learn_routes(self, rows: list[StoredRow]) -> None:
         """Note each operation's tool, tool version and host from the events that name them.
 
         The relay reads every event anyway; keeping these three facts saves
@@ -246,21 +247,15 @@ class Relay:
             kind = topic.rsplit(".", 1)[-1]
             if kind == "Proposed":
                 state = orjson.loads(stored)
-                self._remember(operation_id, (state["tool"], None, state.get("host", "")))
+                self._routes.remember(operation_id, (state["tool"], None, state.get("host", "")))
             elif kind in ("Validated", "Rejected"):
                 known = self._routes.get(operation_id)
                 if known is not None:
                     version = orjson.loads(stored).get("tool_version")
-                    self._remember(operation_id, (known[0], version, known[2]))
-
-    def _remember(self, operation_id: str, route: tuple[str, str | None, str]) -> None:
-        self._routes[operation_id] = route
-        self._routes.move_to_end(operation_id)
-        while len(self._routes) > _ROUTES_KEPT:
-            self._routes.popitem(last=False)
+                    self._routes.remember(operation_id, (known[0], version, known[2]))
 
     def _messages_for(
-        self, row: tuple[int, str, int, str, bytes], tool: str, tool_version: str | None, host: str
+        self, row: StoredRow, tool: str, tool_version: str | None, host: str
     ) -> list[_Message]:
         operation_id, version = row[1], row[2]
         contract = self._ledger.checker.catalog.get(tool)

@@ -94,4 +94,3 @@ class RequestServer:
     def in_progress(self) -> int:
         """Requests being served right now."""
         return len(self._running)
-
