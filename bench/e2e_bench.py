@@ -168,10 +168,7 @@ async def run_throughput(
         nonlocal failures
         while (index := next(counter)) < ops:
             started = loop.time()
-            try:
-                ok = await driver.run_one(f"{prefix}-{index}")
-            except Exception:
-                ok = False
+            ok = await _attempt(driver, f"{prefix}-{index}")
             latencies.append(loop.time() - started)
             failures += not ok
 
@@ -194,10 +191,7 @@ async def run_fixed_rate(
 
     async def one(index: int, scheduled: float) -> None:
         nonlocal failures
-        try:
-            ok = await driver.run_one(f"{prefix}-{index}")
-        except Exception:
-            ok = False
+        ok = await _attempt(driver, f"{prefix}-{index}")
         latencies.append(loop.time() - scheduled)
         failures += not ok
 
@@ -212,6 +206,14 @@ async def run_fixed_rate(
     await _bounded(tasks, timeout_s)
     failures += total - len(latencies)
     return PhaseResult(driver.name, total, loop.time() - first, failures, latencies)
+
+
+async def _attempt(driver: Driver, name: str) -> bool:
+    """One operation through `driver`: True if it succeeded (an exception is a failure)."""
+    try:
+        return await driver.run_one(name)
+    except Exception:
+        return False
 
 
 async def _bounded(tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
