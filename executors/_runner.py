@@ -1,10 +1,10 @@
 """`ExecutorRunner`: one tool's executor loop over NATS JetStream.
 
 The executor of tool T holds few permissions (see `ledger/nats`): it may
-fetch from and ack on its own durable consumer `work_consumer(T)`, request
+pull from and ack on its own durable consumer `work_consumer(T)`, request
 `Subjects.lease(T)`, publish to `Subjects.result(T)`, and receive on its own
-inbox prefix `inbox_prefix("exec", T)`. So it binds to the consumer
-(`pull_subscribe_bind`, no lookup or creation) and never touches `_INBOX.>`.
+inbox prefix `inbox_prefix("exec", T)`. So it pulls from the consumer by name
+(`schemas.PullConsumer`, no lookup or creation) and never touches `_INBOX.>`.
 
 Per message the loop asks `ItemProcessor` what to do, then does it. A result
 is acked only after its PubAck: if the process dies in between, the item is
@@ -45,6 +45,7 @@ from schemas import (
     ErrorInfo,
     LeaseReply,
     LeaseRequest,
+    PullConsumer,
     ResultEnvelope,
     Subjects,
     inbox_prefix,
@@ -54,6 +55,7 @@ from schemas import (
 __all__ = ["ExecutorRunner", "load_contract"]
 
 ConnectFn = Callable[..., Awaitable[Any]]
+PullFn = Callable[[Any, str, str], PullConsumer]
 
 
 def load_contract(contracts_dir: Path, name: str, version: str | None = None) -> ToolContract:
@@ -116,6 +118,7 @@ class ExecutorRunner:
         publish_attempts: int = 3,
         retry_delay_s: float = 5.0,
         connect: ConnectFn = nats.connect,
+        pull: PullFn = PullConsumer,
         logger: logging.Logger | None = None,
     ) -> None:
         if batch_size < 1:
@@ -155,9 +158,11 @@ class ExecutorRunner:
         self._publish_attempts = max(publish_attempts, 1)
         self._retry_delay = retry_delay_s
         self._connect = connect
+        self._pull = pull
+        self._consumer: PullConsumer | None = None
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()
-        """Set once the consumer is bound and the loop fetches."""
+        """Set once the loop is subscribed for work and pulls."""
         self._nc: Any = None
         self._js: Any = None
 
@@ -174,18 +179,22 @@ class ExecutorRunner:
 
     async def _on_reconnected(self) -> None:
         self._log.info("NATS: reconnected")
+        if self._consumer is not None:
+            self._consumer.reset()  # the server dropped our open pull requests
 
     def stop(self) -> None:
-        """Stop after the current item; fetched items not yet started go back at once.
+        """Stop after the current item; delivered items not yet started go back at once.
 
         To abandon the current item too, cancel the task running `run()`: the
         item is left unacknowledged and redelivered after the consumer's
         ack wait, and the ledger decides (busy, then reconcile).
         """
         self._stop.set()
+        if self._consumer is not None:
+            self._consumer.interrupt()  # a waiting `take` returns now, not at its timeout
 
     async def run(self) -> None:
-        """Connect, bind to the tool's consumer and process work until `stop()`."""
+        """Connect, start pulling from the tool's consumer and process work until `stop()`."""
         server = None
         if self._metrics_port is not None:
             server, _thread = start_http_server(
@@ -195,9 +204,9 @@ class ExecutorRunner:
             self._nc = await self._connect(**self._options)
             try:
                 self._js = self._nc.jetstream(timeout=self._publish_timeout)
-                sub = await self._js.pull_subscribe_bind(
-                    consumer=work_consumer(self.contract.name), stream=WORK_STREAM
-                )
+                consumer = self._pull(self._nc, WORK_STREAM, work_consumer(self.contract.name))
+                self._consumer = consumer
+                await consumer.start()
                 self.ready.set()
                 self._log.info(
                     "executor %s runs %s@%s",
@@ -205,19 +214,19 @@ class ExecutorRunner:
                     self.contract.name,
                     self.contract.version,
                 )
-                await self._loop(sub)
+                await self._loop(consumer)
             finally:
                 await self._close()
         finally:
             if server is not None:
                 server.shutdown()
 
-    async def _loop(self, sub: Any) -> None:
-        # Up to `batch_size` items in flight at once, fetching as slots free up.
-        # Handling the items of a fetch one after another would make each wait
-        # for the previous one's lease round trip and result PubAck: one
-        # executor would do at most 1 / (two round trips) items per second,
-        # whatever the batch size.
+    async def _loop(self, consumer: PullConsumer) -> None:
+        # Up to `batch_size` items in flight at once, pulling as slots free up.
+        # Handling the items one after another would make each wait for the
+        # previous one's lease round trip and result PubAck: one executor
+        # would do at most 1 / (two round trips) items per second, whatever
+        # the batch size.
         in_flight: set[asyncio.Task[ItemDisposition]] = set()
         try:
             while not self._stop.is_set():
@@ -226,17 +235,13 @@ class ExecutorRunner:
                     await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 try:
-                    messages = await sub.fetch(free, timeout=self._fetch_timeout)
-                except TimeoutError:
-                    # nats-py's TimeoutError subclasses the builtin; a fetch whose
-                    # deadline passed early raises the bare asyncio one.
-                    continue
+                    messages = await consumer.take(free, timeout=self._fetch_timeout)
                 except nats.errors.ConnectionClosedError:
                     self._log.error("NATS connection closed; executor stops")
                     return
                 except Exception as exc:
                     # Reconnects and server restarts surface here; the client retries.
-                    self._log.warning("fetch failed: %s", type(exc).__name__)
+                    self._log.warning("pulling work failed: %s", type(exc).__name__)
                     await self._pause(1.0)
                     continue
                 for index, msg in enumerate(messages):
@@ -249,6 +254,9 @@ class ExecutorRunner:
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
                     task.add_done_callback(self._report_crash)
+            # Stopping: items delivered but not started go back at once.
+            for msg in await consumer.stop():
+                await self._settle(msg.nak(), "nak")
         except asyncio.CancelledError:
             # Abandon the items in progress: unacknowledged, they are
             # redelivered after the ack wait and the ledger decides.
@@ -352,9 +360,8 @@ class ExecutorRunner:
         nc, self._nc = self._nc, None
         if nc is None:
             return
-        # Acks are buffered publishes: flush them before closing. Not `drain()`:
-        # it waits on the pull subscription's queue, which fetches never mark
-        # done, so it would sit out the whole drain timeout.
+        # Acks are buffered publishes: flush them before closing. The work
+        # inbox was drained already, when the loop stopped.
         with contextlib.suppress(Exception):
             await nc.flush(timeout=2)
         with contextlib.suppress(Exception):

@@ -1,5 +1,9 @@
 """Wire formats of opledger: pydantic models, their published JSON Schemas, canonical JSON.
 
+Beside the formats, the wire layout every process shares: subjects, stream
+and consumer names, inbox prefixes, and `PullConsumer`, the one way any of
+them reads a JetStream work queue.
+
 Every message that crosses a process boundary is one of these models. The
 same shapes are published as Draft 2020-12 JSON Schema files in
 `schemas/json/`, so a host written in any language can take part.
@@ -30,6 +34,7 @@ from schemas._messages import (
 )
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._publish import SCHEMA_DIR, WIRE_MODELS, render_schema, write_schemas
+from schemas._pull import PullConsumer
 from schemas._result import Provenance, ResultEnvelope
 from schemas._subjects import (
     FEED_AUDITOR_CONSUMER,
@@ -70,6 +75,7 @@ __all__ = [
     "ProposalEnvelope",
     "ProposeReply",
     "Provenance",
+    "PullConsumer",
     "RepairStatus",
     "ResultEnvelope",
     "RiskLevel",

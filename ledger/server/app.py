@@ -41,6 +41,7 @@ from schemas import (
     OpledgerError,
     ProposalEnvelope,
     ProposeReply,
+    PullConsumer,
     ResultEnvelope,
     StatusRequest,
     check_token,
@@ -112,7 +113,7 @@ class LedgerService:
         self.gateway: LedgerGateway | None = None
         self.relay: Relay | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._results_subscription: Any = None
+        self._results: PullConsumer | None = None
         self._requests: RequestServer | None = None
 
     # ----------------------------------------------------------------- handlers
@@ -187,22 +188,20 @@ class LedgerService:
 
     # ------------------------------------------------------------------ results
 
-    async def _consume_results(self, js: JetStreamContext) -> None:
-        subscription = await js.pull_subscribe_bind(RESULTS_CONSUMER, stream=RESULTS_STREAM)
-        self._results_subscription = subscription
+    async def _consume_results(self, nc: Any) -> None:
+        results = PullConsumer(nc, RESULTS_STREAM, RESULTS_CONSUMER)
+        self._results = results
+        await results.start()
         while True:
             try:
-                messages = await subscription.fetch(self.options.result_batch, timeout=1)
-            except TimeoutError:
-                # nats-py's own TimeoutError subclasses the builtin, but when its
-                # deadline passes before the long poll starts it raises the bare
-                # asyncio one: both just mean "no results yet".
-                continue
+                # What arrived while the last batch was recorded is the next batch.
+                messages = await results.take(self.options.result_batch, timeout=5)
             except Exception:
-                _log.exception("fetching results failed")
+                _log.exception("pulling results failed")
                 await asyncio.sleep(1)
                 continue
-            await self._record(messages)
+            if messages:
+                await self._record(messages)
 
     async def _record(self, messages: Sequence[Any]) -> None:
         accepted: list[tuple[Any, ResultEnvelope]] = []
@@ -266,7 +265,7 @@ class LedgerService:
         await self._serve_requests(nc)
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._consume_results(js), name="ledger-results"),
+            loop.create_task(self._consume_results(nc), name="ledger-results"),
             loop.create_task(self._sweep(), name="ledger-sweeps"),
         ]
 
@@ -279,11 +278,11 @@ class LedgerService:
             await self._requests.stop()
         if self.relay is not None:
             await self.relay.stop()
-        if self._results_subscription is not None:
-            # A pull subscription makes nats-py's drain wait out its whole
-            # timeout; nothing is in flight on it any more, so just drop it.
-            with contextlib.suppress(Exception):
-                await self._results_subscription.unsubscribe()
+        if self._results is not None:
+            # Results delivered and not recorded go back at once.
+            for message in await self._results.stop():
+                with contextlib.suppress(Exception):
+                    await message.nak()
         try:
             await asyncio.wait_for(self.broker.stop(), timeout=5)
         except Exception:

@@ -1,5 +1,6 @@
-"""`ExecutorRunner` against fake NATS objects: binding, subjects, headers and the order
-publish → PubAck → ack. Real-server tests live with the NATS topology."""
+"""`ExecutorRunner` against fake NATS objects: the consumer it pulls from, subjects,
+headers and the order publish → PubAck → ack. `PullConsumer` itself and the real
+server are tested in `tests/nats/test_pull.py` and with the NATS topology."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-import nats.errors
 import pytest
 
 from executors import ExecutorConfigError, ExecutorRunner, Tool, ToolContext
@@ -42,7 +42,7 @@ class FakeMsg:
 
 
 class FakeNats:
-    """A connection, its JetStream context and one pull subscription, all recorded."""
+    """A connection, its JetStream context and one pull consumer, all recorded."""
 
     def __init__(self, answers: Mapping[str, LeaseReply | bytes], *, failing_publishes: int = 0):
         self.answers = answers
@@ -56,6 +56,7 @@ class FakeNats:
         self.timeouts: dict[str, list[float | None]] = {}
         self.fetched: list[int] = []
         self.stop_in_fetch = False
+        self.held_at_stop: list[FakeMsg] = []
 
     def _timeout(self, what: str, timeout: float | None) -> None:
         self.timeouts.setdefault(what, []).append(timeout)
@@ -69,21 +70,35 @@ class FakeNats:
         self._timeout("jetstream", timeout)
         return self
 
-    async def pull_subscribe_bind(self, **kwargs: Any) -> FakeNats:
-        self.bound = kwargs
+    # schemas.PullConsumer, as the runner's `pull` factory builds it
+    def consumer(self, nc: Any, stream: str, consumer: str) -> FakeNats:
+        assert nc is self
+        self.bound = {"consumer": consumer, "stream": stream}
         return self
 
-    async def fetch(self, batch: int, timeout: float | None = None) -> list[FakeMsg]:
-        self.fetched.append(batch)
-        self._timeout("fetch", timeout)
+    async def start(self) -> None:
+        self.events.append(("subscribed",))
+
+    async def take(self, capacity: int, timeout: float | None = None) -> list[FakeMsg]:
+        self.fetched.append(capacity)
+        self._timeout("take", timeout)
         if self.batches:
             if self.stop_in_fetch:
                 assert self.runner is not None
-                self.runner.stop()  # SIGTERM arrives while the fetch is under way
+                self.runner.stop()  # SIGTERM arrives while the take is under way
             return self.batches.pop(0)
         assert self.runner is not None
         self.runner.stop()
-        raise nats.errors.TimeoutError
+        return []
+
+    async def stop(self) -> list[FakeMsg]:
+        return self.held_at_stop
+
+    def interrupt(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
 
     async def request(self, subject: str, payload: bytes, timeout: float | None = None) -> Any:
         self._timeout("request", timeout)
@@ -143,6 +158,7 @@ def _runner(fake: FakeNats, tool: Tool | None = None, **options: Any) -> Executo
         connect_options=options.pop("connect_options", {"servers": ["nats://127.0.0.1:4222"]}),
         executor="exec-7",
         connect=fake.connect,
+        pull=fake.consumer,
         fetch_timeout_s=0.05,
         **options,
     )
@@ -156,7 +172,7 @@ def _execute(operation_id: str) -> LeaseReply:
     )
 
 
-def test_binds_without_lookup_and_publishes_before_acking() -> None:
+def test_pulls_from_its_consumer_and_publishes_before_acking() -> None:
     fake = FakeNats({"op-1": _execute("op-1")})
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
     asyncio.run(_runner(fake).run())
@@ -166,6 +182,7 @@ def test_binds_without_lookup_and_publishes_before_acking() -> None:
     assert fake.options["servers"] == ["nats://127.0.0.1:4222"]
     assert fake.bound == {"consumer": "exec_search_documents", "stream": "OPS_WORK"}
     assert fake.events == [
+        ("subscribed",),
         ("lease", "ops.lease.search_documents", "op-1"),
         ("publish", "ops.result.search_documents"),
         ("ack", "m1"),
@@ -177,8 +194,8 @@ def test_binds_without_lookup_and_publishes_before_acking() -> None:
     assert published["stream"] == "OPS_RESULTS"
     envelope = ResultEnvelope.model_validate_json(published["payload"])
     assert envelope.ok
-    # Nothing waits without a bound: lease, publish and fetch all have timeouts.
-    assert set(fake.timeouts) == {"jetstream", "fetch", "request", "publish", "flush"}
+    # Nothing waits without a bound: lease, publish and take all have timeouts.
+    assert set(fake.timeouts) == {"jetstream", "take", "request", "publish", "flush"}
     assert all(t is not None and t > 0 for ts in fake.timeouts.values() for t in ts)
     assert envelope.fencing_token == 5
     assert envelope.provenance.executor == "exec-7"
@@ -274,7 +291,7 @@ def test_an_error_answer_to_a_lease_request_is_understood() -> None:
     )
 
 
-def test_items_of_one_fetch_run_at_once_and_stop_lets_them_finish() -> None:
+def test_items_of_one_take_run_at_once_and_stop_lets_them_finish() -> None:
     fake = FakeNats({f"op-{n}": _execute(f"op-{n}") for n in range(3)})
     holder: dict[str, ExecutorRunner] = {}
 
@@ -288,27 +305,35 @@ def test_items_of_one_fetch_run_at_once_and_stop_lets_them_finish() -> None:
     asyncio.run(runner.run())
     assert fake.fetched == [3]
     # All three asked for their lease before any result went out: concurrent.
-    assert [event[0] for event in fake.events[:3]] == ["lease"] * 3
-    # Stopping fetched nothing more, and every item in progress finished.
+    assert [event[0] for event in fake.events[1:4]] == ["lease"] * 3
+    # Stopping took nothing more, and every item in progress finished.
     for n in range(3):
         assert ("ack", f"m{n}") in fake.events
     assert sum(1 for event in fake.events if event[0] == "publish") == 3
     assert fake.events[-2:] == [("flush",), ("close",)]
 
 
-def test_stop_during_a_fetch_returns_what_it_brought_at_once() -> None:
+def test_stop_during_a_take_returns_what_it_brought_at_once() -> None:
     fake = FakeNats({f"op-{n}": _execute(f"op-{n}") for n in range(3)})
     fake.batches = [[fake.message(f"m{n}", work_item(f"op-{n}", TOOL)) for n in range(3)]]
     fake.stop_in_fetch = True
     runner = _runner(fake, batch_size=3)
     asyncio.run(runner.run())
     assert fake.events == [
+        ("subscribed",),
         ("nak", "m0", None),
         ("nak", "m1", None),
         ("nak", "m2", None),
         ("flush",),
         ("close",),
     ]
+
+
+def test_items_delivered_but_not_taken_at_stop_go_back_at_once() -> None:
+    fake = FakeNats({})
+    fake.held_at_stop = [fake.message("late", work_item("op-9", TOOL))]
+    asyncio.run(_runner(fake).run())
+    assert fake.events == [("subscribed",), ("nak", "late", None), ("flush",), ("close",)]
 
 
 def test_a_batch_size_below_one_is_refused() -> None:
