@@ -7,12 +7,14 @@ nothing is published twice and nothing is skipped.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from ledger import Ledger, StorageConfig
 from ledger.nats import Role
+from ledger.server import relay as relay_module
 from ledger.server.gateway import LedgerGateway
 from ledger.server.relay import Relay
 from schemas import FEED_STREAM, WORK_STREAM
@@ -29,8 +31,8 @@ class RecordingRelay(Relay):
         super().__init__(*args, **kwargs)
         self.published: list[str] = []
 
-    async def _publish(self, messages: list[Any]) -> None:
-        await super()._publish(messages)
+    async def _publish(self, messages: list[Any], position: int) -> None:
+        await super()._publish(messages, position)
         self.published.extend(message.message_id or message.subject for message in messages)
 
 
@@ -79,4 +81,88 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
         assert len(set(first.published + second.published)) == 9  # no event twice
         assert await _stored(js, FEED_STREAM) == feed + 9
         assert await _stored(js, WORK_STREAM) == work + 3
+    ledger.close()
+
+
+class LosingRelay(RecordingRelay):
+    """Its first publish of one feed event goes where no stream stores it."""
+
+    def __init__(self, *args: Any, lose: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lose: str | None = lose
+
+    async def _publish(self, messages: list[Any], position: int) -> None:
+        sent = []
+        for message in messages:
+            if message.message_id == self.lose:
+                self.lose = None
+                message = replace(message, subject="ops.nowhere")
+            sent.append(message)
+        await super()._publish(sent, position)
+
+
+async def _saved(ledger: Ledger) -> int:
+    return int(ledger.db.query("SELECT position FROM opledger_relay")[0][0])
+
+
+async def test_feed_events_without_pubacks_are_proven_by_a_later_one(
+    nats_env: NatsEnv, storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger: Ledger = make_ledger(storage)
+    suffix = "pg" if storage.is_postgres else "lite"
+    gateway = LedgerGateway(ledger)
+    monkeypatch.setattr(relay_module, "_CONFIRM_EVERY_S", 3600.0)  # no proof falls due
+    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        js = probe.nc.jetstream()
+        relay = RecordingRelay(gateway, probe.nc)
+        feed = await _stored(js, FEED_STREAM)
+        ledger.submit(search(f"op-proof-1-{suffix}"), ALICE)
+        await relay.pump()  # the feed's next sequence is learnt: a PubAck each
+        first = relay._position
+        assert relay._confirmed == first
+        ledger.submit(search(f"op-proof-2-{suffix}"), ALICE)
+        await relay.pump()  # sent without PubAcks (the work item still has one)
+        assert relay._position != first and relay._confirmed == first  # not yet proven
+        assert await relay.pump() is False  # caught up; no proof due yet
+        assert relay._confirmed == first
+        monkeypatch.setattr(relay_module, "_CONFIRM_EVERY_S", 0.0)
+        assert await relay.pump() is False  # caught up: asks about the last event again
+        assert relay._confirmed == relay._position
+        assert await _stored(js, FEED_STREAM) == feed + 6
+        await relay.stop()
+    assert await _saved(ledger) == ledger.stored_rows_after(0, 100_000)[-1][0]
+    ledger.close()
+
+
+async def test_a_lost_feed_event_is_noticed_and_sent_again_once(
+    nats_env: NatsEnv, storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger: Ledger = make_ledger(storage)
+    suffix = "pg" if storage.is_postgres else "lite"
+    lost = f"op-lost-2-{suffix}"
+    gateway = LedgerGateway(ledger)
+    monkeypatch.setattr(relay_module, "_CONFIRM_EVERY_S", 3600.0)
+    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        js = probe.nc.jetstream()
+        relay = LosingRelay(gateway, probe.nc, lose=f"{lost}:2")
+        feed = await _stored(js, FEED_STREAM)
+        ledger.submit(search(f"op-lost-1-{suffix}"), ALICE)
+        await relay.pump()
+        proven = relay._confirmed
+        ledger.submit(search(lost), ALICE)
+        await relay.pump()  # its Validated event is lost, and nobody said so
+        ledger.submit(search(f"op-lost-3-{suffix}"), ALICE)
+        monkeypatch.setattr(relay_module, "_CONFIRM_EVERY_S", 0.0)
+        await relay.pump()  # this batch's last event carries the proof: it fails
+        assert relay._confirmed == proven and relay._position == proven  # back to the proof
+        while await relay.pump():
+            pass
+        assert await relay.pump() is False
+        # Everything after the proven position went out again, with a PubAck each;
+        # JetStream kept one copy of each event.
+        assert relay.published.count(f"{lost}:2") == 2
+        assert await _stored(js, FEED_STREAM) == feed + 9
+        assert relay._confirmed == relay._position
+        await relay.stop()
+    assert await _saved(ledger) == ledger.stored_rows_after(0, 100_000)[-1][0]
     ledger.close()
