@@ -7,7 +7,7 @@ nats-server with generated least-privilege credentials, the ledger service
 `bench/contracts/noop.yaml`: pure read, approval never, no limits, low risk).
 This process is the agent host (`ledger.client.AgentHostClient`).
 
-Per configuration (executors x fetch batch) it measures:
+Per configuration (executors x items in flight per executor) it measures:
 
 - throughput: `--ops` operations, `--concurrency` in flight, from the first
   propose until every outcome is final;
@@ -18,9 +18,11 @@ Per configuration (executors x fetch batch) it measures:
   flagged "overloaded": its latencies are then queueing time;
 - the baseline in the same run, on the same nats-server: a raw JetStream round
   trip with no ledger (the bench publishes a work item to a work-queue stream,
-  `bench/raw_roundtrip_worker.py` in as many processes with the same fetch
-  batch fetches it, publishes a result to a results stream and waits for the
-  PubAck, then acks; the bench fetches the result), same two phases.
+  `bench/raw_roundtrip_worker.py` in as many processes with as many items in
+  flight pulls it, publishes a result to a results stream and waits for the
+  PubAck, then acks; the bench pulls the result), same two phases. Every
+  consumer pulls with `schemas.PullConsumer`, as the executors and the
+  service do.
 
 Two host modes (`--host-modes`):
 
@@ -52,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -85,7 +88,7 @@ from ledger.client import AgentHostClient
 from ledger.nats import CredentialSet, NatsServer, connect_as, flush_all, generate_credentials
 from ledger.nats.security import new_user_seed
 from policy.catalog import CATALOG_DIR
-from schemas import RuntimeContext, StatusRequest, Subjects, ToolProposal
+from schemas import PullConsumer, RuntimeContext, StatusRequest, Subjects, ToolProposal
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -420,9 +423,6 @@ class Stack:
                     "--stream", RAW_WORK_STREAM, "--consumer", RAW_WORK_CONSUMER,
                     "--result-subject", RAW_RESULT_SUBJECT,
                     "--batch", str(self.settings.batch), "--name", f"raw-{index}",
-                    # The baseline handles items the way the executors do: the
-                    # items of one fetch concurrently.
-                    "--concurrent",
                 ],
                 cwd=REPO, env=self._env, stdout=log, stderr=subprocess.STDOUT,
             ))
@@ -596,24 +596,20 @@ class RawDriver(Driver):
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._results: PullConsumer | None = None
 
     async def start(self) -> None:
         """Connect as the bench user and start consuming results (as the service does)."""
         self._nc = await nats.connect(self.stack.url, nkeys_seed=str(self.stack.bench_seed))
         self._js = self._nc.jetstream()
-        subscription = await self._js.pull_subscribe_bind(
-            RAW_RESULTS_CONSUMER, stream=RAW_RESULTS_STREAM
-        )
-        self._task = asyncio.get_running_loop().create_task(self._consume(subscription))
+        self._results = PullConsumer(self._nc, RAW_RESULTS_STREAM, RAW_RESULTS_CONSUMER)
+        await self._results.start()
+        self._task = asyncio.get_running_loop().create_task(self._consume(self._results))
 
-    async def _consume(self, subscription: Any) -> None:
-        # Like LedgerService._consume_results: fetch up to 256, ack each.
+    async def _consume(self, results: PullConsumer) -> None:
+        # Like LedgerService._consume_results: pull up to 256, ack each.
         while not self._closing.is_set():
-            try:
-                messages = await subscription.fetch(256, timeout=1)
-            except TimeoutError:  # nats-py raises its own and, at times, the bare one
-                continue
-            for message in messages:
+            for message in await results.take(256, timeout=1):
                 future = self._waiting.pop(orjson.loads(message.data)["operation_id"], None)
                 if future is not None and not future.done():
                     future.set_result(None)
@@ -640,9 +636,9 @@ class RawDriver(Driver):
         if self._task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 5)
+        if self._results is not None:
+            await self._results.stop()
         if self._nc is not None:
-            # Not `drain()`: nats-py waits out its whole drain timeout on a pull
-            # subscription (as the executors note); nothing is in flight now.
             with contextlib.suppress(Exception):
                 await self._nc.flush(timeout=2)
             await self._nc.close()
@@ -652,8 +648,8 @@ class RawDriver(Driver):
 
 STAGES = (
     ("host -> submit", "the proposal's trip to the service, its queue, up to the check"),
-    ("submit -> lease", "submit commit, relay publishes the work item, executor fetch + lease"),
-    ("lease -> result", "lease commit, tool run, result publish, service fetch, record"),
+    ("submit -> lease", "submit commit, relay publishes the work item, executor pull + lease"),
+    ("lease -> result", "lease commit, tool run, result publish, service pull, record"),
     ("result -> host", "result commit, relay reads it and announces the outcome"),
 )
 """Where one operation's latency goes, cut at the ledger's own event timestamps."""
@@ -761,9 +757,9 @@ async def run_config(settings: Settings, args: argparse.Namespace, root: Path) -
                 # Warm-up: imports, caches, consumer state, SQLite pages; not measured.
                 await run_throughput(driver, f"{prefix}-warm", args.warmup, 50, 120)
                 await _quiesce(stack)
-                result = await _with_cpu(stack, args.ops, lambda d=driver, p=prefix: (
-                    run_throughput(d, f"{p}-tp", args.ops, args.concurrency,
-                                   max(300.0, args.ops / 5))
+                result = await _with_cpu(stack, args.ops, functools.partial(
+                    run_throughput, driver, f"{prefix}-tp", args.ops, args.concurrency,
+                    max(300.0, args.ops / 5),
                 ))
                 report.phases[f"{driver.name} throughput"] = result
                 for rate in args.rate:
@@ -773,8 +769,9 @@ async def run_config(settings: Settings, args: argparse.Namespace, root: Path) -
                         driver.timeline = {}
                     phase = f"{driver.name} @{rate:g}/s"
                     report.phases[phase] = await _with_cpu(
-                        stack, total, lambda d=driver, p=prefix, r=rate: run_fixed_rate(
-                            d, f"{p}-rate{r:g}", r, args.duration,
+                        stack, total, functools.partial(
+                            run_fixed_rate, driver, f"{prefix}-rate{rate:g}", rate,
+                            args.duration,
                             args.duration + PROPOSE_TIMEOUT_S * 3 + OUTCOME_TIMEOUT_S + 30,
                         ),
                     )
@@ -847,11 +844,11 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
         if tp and raw_tp:
             print(f"  ratio ledger/{mode} to raw: throughput {tp.ops_per_s / raw_tp.ops_per_s:.3f}")
         for rate in args.rate:
-            phase = report.phases.get(f"ledger/{mode} @{rate:g}/s")
+            at_rate = report.phases.get(f"ledger/{mode} @{rate:g}/s")
             raw = report.phases.get(f"raw-jetstream @{rate:g}/s")
-            if phase and raw:
+            if at_rate and raw:
                 print(f"  ratio ledger/{mode} to raw at {rate:g}/s: p50 "
-                      f"{phase.p(50) / raw.p(50):.1f}, p99 {phase.p(99) / raw.p(99):.1f}")
+                      f"{at_rate.p(50) / raw.p(50):.1f}, p99 {at_rate.p(99) / raw.p(99):.1f}")
         at_200 = report.phases.get(f"ledger/{mode} @200/s")
         if tp:
             verdict = "met" if tp.ops_per_s >= 1000 else "MISSED"
@@ -906,7 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--executors", type=_ints, default=[1, 2],
                         help="executor (and raw worker) process counts to try, e.g. 1,2")
     parser.add_argument("--batch", type=_ints, default=[1, 16],
-                        help="executor fetch batch sizes to try (--batch), e.g. 1,16")
+                        help="items in flight per executor to try (--batch), e.g. 1,16")
     parser.add_argument("--host-modes", type=lambda s: [m for m in s.split(",") if m],
                         default=["watch", "sdk"], help="watch and/or sdk")
     parser.add_argument("--tool", choices=["noop", "noop_sync"], default="noop",

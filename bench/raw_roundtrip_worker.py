@@ -1,12 +1,11 @@
 """The worker of the raw JetStream baseline in `bench/e2e_bench.py`: no ledger at all.
 
-It does what an executor does on the wire and nothing else: fetch work items
-from a durable pull consumer (`--batch` at a time), publish a result to a
-results stream and wait for its PubAck, then ack the work item. With
-`--concurrent` (what the benchmark passes) the items of one fetch run
-concurrently, as `executors._runner.ExecutorRunner` runs them; without it one
-after another. So the round trip it gives is the JetStream floor under one
-operation, in the same process layout (a separate process) as the real executor.
+It does what an executor does on the wire and nothing else: pull work items
+from a durable pull consumer (`schemas.PullConsumer`, up to `--batch` items in
+flight, as `executors._runner.ExecutorRunner` runs them), publish a result to
+a results stream and wait for its PubAck, then ack the work item. So the round
+trip it gives is the JetStream floor under one operation, in the same process
+layout (a separate process) as the real executor.
 
     python bench/raw_roundtrip_worker.py --nats-url URL --seed FILE --stream S \\
         --consumer C --result-subject SUBJ [--batch 1] [--max-seconds 900]
@@ -26,6 +25,8 @@ from typing import Any
 import nats
 import orjson
 
+from schemas import PullConsumer
+
 __all__ = ["main"]
 
 
@@ -39,8 +40,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--name", default="raw-worker")
     parser.add_argument("--max-seconds", type=float, default=900.0)
-    parser.add_argument("--concurrent", action="store_true",
-                        help="handle the items of one fetch concurrently (as executors do)")
     return parser
 
 
@@ -67,26 +66,28 @@ async def _work(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     nc = await nats.connect(args.nats_url, nkeys_seed=args.seed, name=args.name)
     handled = 0
+    in_flight: set[asyncio.Task[None]] = set()
     try:
         js = nc.jetstream()
-        sub = await js.pull_subscribe_bind(args.consumer, stream=args.stream)
+        work = PullConsumer(nc, args.stream, args.consumer)
+        await work.start()
         deadline = time.monotonic() + args.max_seconds
         while not stop.is_set() and time.monotonic() < deadline:
-            try:
-                # A short fetch timeout only so that a stop is noticed quickly;
-                # a fetch returns as soon as any item is there.
-                messages = await sub.fetch(args.batch, timeout=1.0)
-            except TimeoutError:  # nats-py raises its own and, at times, the bare one
+            free = args.batch - len(in_flight)
+            if free <= 0:
+                await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                 continue
-            if args.concurrent:
-                await asyncio.gather(*(_handle(js, args, message) for message in messages))
-            else:
-                for message in messages:
-                    await _handle(js, args, message)
-            handled += len(messages)
+            # A short wait only so that a stop is noticed quickly.
+            for message in await work.take(free, timeout=1.0):
+                task = loop.create_task(_handle(js, args, message))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+                handled += 1
+        if in_flight:
+            await asyncio.gather(*in_flight, return_exceptions=True)
+        for message in await work.stop():
+            await message.nak()
     finally:
-        # Not drain(): draining a pull subscription waits out its pending
-        # fetch requests. Every ack was already written; flush sends them.
         with contextlib.suppress(Exception):
             await nc.flush(timeout=2)
         with contextlib.suppress(Exception):
