@@ -69,6 +69,13 @@ async def nc(server: NatsServer) -> AsyncIterator[Client]:
         await connection.close()
 
 
+async def _started(connection: Any, **options: Any) -> PullConsumer:
+    """A `PullConsumer` of the test consumer, its inbox subscribed."""
+    consumer = PullConsumer(connection, STREAM, CONSUMER, **options)
+    await consumer.start()
+    return consumer
+
+
 async def _publish(nc: Client, *names: str) -> None:
     js = nc.jetstream(timeout=2)
     for name in names:
@@ -77,8 +84,7 @@ async def _publish(nc: Client, *names: str) -> None:
 
 async def test_items_arrive_one_by_one_with_a_pull_request_per_several(nc: Client) -> None:
     counting = CountingConnection(nc)
-    consumer = PullConsumer(counting, STREAM, CONSUMER)
-    await consumer.start()
+    consumer = await _started(counting)
     received: list[bytes] = []
     with anyio.fail_after(10):
         for index in range(24):
@@ -97,8 +103,7 @@ async def test_items_arrive_one_by_one_with_a_pull_request_per_several(nc: Clien
 
 async def test_never_more_delivered_than_the_caller_can_take(nc: Client) -> None:
     await _publish(nc, *(f"item-{index}" for index in range(10)))
-    consumer = PullConsumer(nc, STREAM, CONSUMER)
-    await consumer.start()
+    consumer = await _started(nc)
     with anyio.fail_after(10):
         first = await consumer.take(3, timeout=2)
         await asyncio.sleep(0.3)  # anything over-delivered would arrive by now
@@ -113,8 +118,7 @@ async def test_never_more_delivered_than_the_caller_can_take(nc: Client) -> None
 
 async def test_an_expired_pull_is_renewed_while_a_take_waits(nc: Client) -> None:
     counting = CountingConnection(nc)
-    consumer = PullConsumer(counting, STREAM, CONSUMER, expires_s=0.3, heartbeat_s=0.1)
-    await consumer.start()
+    consumer = await _started(counting, expires_s=0.3, heartbeat_s=0.1)
     with anyio.fail_after(10):
         waiting = asyncio.ensure_future(consumer.take(4, timeout=5))
         await asyncio.sleep(1.0)  # three expiries
@@ -129,8 +133,7 @@ async def test_an_expired_pull_is_renewed_while_a_take_waits(nc: Client) -> None
 
 async def test_a_recreated_consumer_is_pulled_from_again(nc: Client) -> None:
     js = nc.jetstream(timeout=2)
-    consumer = PullConsumer(nc, STREAM, CONSUMER)
-    await consumer.start()
+    consumer = await _started(nc)
     # Well inside the heartbeat fallback (over 10 s): the 409 itself is understood.
     with anyio.fail_after(5):
         assert await consumer.take(4, timeout=0.3) == []  # a pull request is open
@@ -159,8 +162,7 @@ async def test_lost_pull_requests_show_as_missing_heartbeats(nc: Client) -> None
             await super().publish(subject, payload, reply)
 
     deaf = Deaf(nc)
-    consumer = PullConsumer(deaf, STREAM, CONSUMER, heartbeat_s=0.1)
-    await consumer.start()
+    consumer = await _started(deaf, heartbeat_s=0.1)
     with anyio.fail_after(10):
         assert await consumer.take(4, timeout=0.2) == []
         await _publish(nc, "found")
@@ -174,8 +176,7 @@ async def test_lost_pull_requests_show_as_missing_heartbeats(nc: Client) -> None
 
 async def test_stop_hands_back_what_arrived_and_nothing_is_lost(nc: Client) -> None:
     await _publish(nc, *(f"item-{index}" for index in range(5)))
-    consumer = PullConsumer(nc, STREAM, CONSUMER)
-    await consumer.start()
+    consumer = await _started(nc)
     with anyio.fail_after(10):
         taken = await consumer.take(5, timeout=2)
         await asyncio.sleep(0.3)  # the rest of the credit arrives meanwhile
@@ -186,8 +187,7 @@ async def test_stop_hands_back_what_arrived_and_nothing_is_lost(nc: Client) -> N
         for message in taken:
             await message.ack()
         # A fresh consumer gets exactly the handed-back items, at once (no ack wait).
-        again = PullConsumer(nc, STREAM, CONSUMER)
-        await again.start()
+        again = await _started(nc)
         seen: list[bytes] = []
         while len(seen) < len(held):
             batch = await again.take(5, timeout=2)
@@ -201,8 +201,7 @@ async def test_stop_hands_back_what_arrived_and_nothing_is_lost(nc: Client) -> N
 
 
 async def test_a_capacity_below_one_is_refused(nc: Client) -> None:
-    consumer = PullConsumer(nc, STREAM, CONSUMER)
-    await consumer.start()
+    consumer = await _started(nc)
     with pytest.raises(ValueError, match="capacity"):
         await consumer.take(0)
     await consumer.stop()
