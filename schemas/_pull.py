@@ -124,8 +124,13 @@ class PullConsumer:
             _wake(self._waiter)
 
     def reset(self) -> None:
-        """Forget open credit (after a reconnect: the server dropped its pull requests)."""
+        """Forget open credit: after a reconnect, the server dropped our pull requests.
+
+        A waiting `take` returns (empty), so that its caller's next `take` asks
+        again at once rather than after the missed heartbeats show.
+        """
         self._credit = 0
+        self.interrupt()
 
     async def stop(self) -> list[Any]:
         """Stop pulling; the messages delivered and not taken (nak them to hand them on).

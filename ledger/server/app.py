@@ -108,13 +108,22 @@ class LedgerService:
         self.ledger = ledger
         self.options = options
         servers = [url.strip() for url in options.nats_url.split(",") if url.strip()]
-        self.broker = NatsBroker(servers, **_broker_options(options.connect_options))
+        connect = _broker_options(options.connect_options)
+        self._on_reconnected_too = connect.pop("reconnected_cb", None)
+        self.broker = NatsBroker(servers, reconnected_cb=self._on_reconnected, **connect)
         self.app = FastStream(self.broker)
         self.gateway: LedgerGateway | None = None
         self.relay: Relay | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._results: PullConsumer | None = None
         self._requests: RequestServer | None = None
+
+    async def _on_reconnected(self) -> None:
+        # The server dropped the results consumer's open pull requests.
+        if self._results is not None:
+            self._results.reset()
+        if self._on_reconnected_too is not None:
+            await self._on_reconnected_too()
 
     # ----------------------------------------------------------------- handlers
 

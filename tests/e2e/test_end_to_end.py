@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import orjson
 import pytest
@@ -10,7 +12,7 @@ from jsonschema import Draft202012Validator
 
 from executors.samples.email import count_sends
 from ledger.client import AgentHostClient, RequestRefused
-from ledger.nats import connect_as
+from ledger.nats import NatsServer, connect_as
 from schemas import (
     SCHEMA_DIR,
     OperationStatus,
@@ -185,3 +187,34 @@ async def test_raw_nats_host_without_the_sdk(stack: Stack) -> None:
     assert foreign.value.info.code == "OPERATION_NOT_FOUND"
     assert set(foreign.value.info.safe_details) == set(missing.value.info.safe_details)
     assert ProposeReply.model_validate(answer).decision is not None
+
+
+async def test_after_nats_crashes_and_restarts_operations_flow_again(stack: Stack) -> None:
+    stack.start_executor("search_documents")
+    host = await _host(stack)
+    try:
+        await host.propose(_proposal("search_documents", {"query": "refund"}, "op-e2e-c1"), ALICE)
+        assert (await host.outcome("op-e2e-c1", timeout=30)).state == "succeeded"
+    finally:
+        await host.close()
+    # The service's and the executor's pull requests die with the server, without
+    # a word to them. The restarted server (same port, same store) must not have
+    # to wait for missed heartbeats (over 10 s) to be pulled from again.
+    crashed = stack.server
+    assert crashed.pid is not None
+    os.kill(crashed.pid, signal.SIGKILL)
+    crashed.stop()
+    stack.server = NatsServer(
+        crashed.work_dir, authorization=crashed.authorization, port=crashed.port
+    ).start()
+    await asyncio.sleep(2.5)  # nats-py reconnects every 2 s
+    host = await _host(stack)
+    try:
+        started = asyncio.get_running_loop().time()
+        await host.propose(_proposal("search_documents", {"query": "refund"}, "op-e2e-c2"), ALICE)
+        status = await host.outcome("op-e2e-c2", timeout=30)
+        took = asyncio.get_running_loop().time() - started
+    finally:
+        await host.close()
+    assert status.state == "succeeded", stack.log("service.log")
+    assert took < 8, f"{took:.1f} s: pulling resumed only when heartbeats were missed"

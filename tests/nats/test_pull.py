@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from ledger.nats import NatsServer
+from ledger.nats import NatsServer, free_port
 from schemas import PullConsumer
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
@@ -205,3 +207,51 @@ async def test_a_capacity_below_one_is_refused(nc: Client) -> None:
     with pytest.raises(ValueError, match="capacity"):
         await consumer.take(0)
     await consumer.stop()
+
+
+async def test_after_a_server_crash_pulling_resumes_at_once(tmp_path: Path) -> None:
+    port = free_port()
+    home = tmp_path / "server"
+    first = NatsServer(home, port=port).start()
+    consumer: PullConsumer | None = None
+    reconnected = asyncio.Event()
+
+    async def on_reconnected() -> None:
+        assert consumer is not None
+        consumer.reset()  # what the executors and the ledger service do
+        reconnected.set()
+
+    nc = await nats.connect(
+        first.url,
+        reconnect_time_wait=0.1,
+        max_reconnect_attempts=-1,
+        reconnected_cb=on_reconnected,
+    )
+    second: NatsServer | None = None
+    try:
+        js = nc.jetstream(timeout=2)
+        await js.add_stream(StreamConfig(name=STREAM, subjects=[SUBJECT]))
+        await js.add_consumer(
+            STREAM, ConsumerConfig(durable_name=CONSUMER, ack_policy=AckPolicy.EXPLICIT)
+        )
+        consumer = await _started(nc)  # heartbeats every 5 s: silence shows after 11 s
+        # Well inside those 11 s: the reconnect itself must bring the pulling back.
+        with anyio.fail_after(6):
+            waiting = asyncio.ensure_future(consumer.take(4, timeout=5))
+            await asyncio.sleep(0.3)  # its pull request is open on the server
+            assert first.pid is not None
+            os.kill(first.pid, signal.SIGKILL)  # no goodbye (no 409) to the pull request
+            first.stop()
+            second = NatsServer(home, port=port).start()  # same port, same store
+            await reconnected.wait()
+            assert await waiting == []  # the reset woke it
+            await _publish(nc, "after-crash")
+            taken = await consumer.take(4, timeout=3)
+        assert [message.data for message in taken] == [b"after-crash"]
+        await taken[0].ack()
+        await consumer.stop()
+    finally:
+        await nc.close()
+        for server in (first, second):
+            if server is not None:
+                server.stop()
