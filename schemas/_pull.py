@@ -143,8 +143,7 @@ class PullConsumer:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.drain()
-        if self._waiter is not None:
-            _wake(self._waiter)
+        self.interrupt()
         held = list(self._held)
         self._held.clear()
         return held
@@ -197,8 +196,7 @@ class PullConsumer:
                 # returns empty, and asking again waits a moment.
                 _log.warning("%s: %s", self._name, headers.get("Description", "409"))
                 self._refused_at = time.monotonic()
-                if self._waiter is not None:
-                    _wake(self._waiter)
+                self.interrupt()
             elif self._waiter is not None and not self._closed:
                 await self._ask()  # an expired pull: renew it for the waiting `take`
             return

@@ -197,7 +197,7 @@ class LedgerService:
 
     # ------------------------------------------------------------------ results
 
-    async def _consume_results(self, nc: Any) -> None:
+    async def _consume_results(self, nc: Client) -> None:
         results = PullConsumer(nc, RESULTS_STREAM, RESULTS_CONSUMER)
         self._results = results
         await results.start()

@@ -101,7 +101,7 @@ class LosingRelay(RecordingRelay):
         await super()._publish(sent, position)
 
 
-async def _saved(ledger: Ledger) -> int:
+def _saved(ledger: Ledger) -> int:
     return int(ledger.db.query("SELECT position FROM opledger_relay")[0][0])
 
 
@@ -130,7 +130,7 @@ async def test_feed_events_without_pubacks_are_proven_by_a_later_one(
         assert relay._confirmed == relay._position
         assert await _stored(js, FEED_STREAM) == feed + 6
         await relay.stop()
-    assert await _saved(ledger) == ledger.stored_rows_after(0, 100_000)[-1][0]
+    assert _saved(ledger) == ledger.stored_rows_after(0, 100_000)[-1][0]
     ledger.close()
 
 
@@ -164,5 +164,5 @@ async def test_a_lost_feed_event_is_noticed_and_sent_again_once(
         assert await _stored(js, FEED_STREAM) == feed + 9
         assert relay._confirmed == relay._position
         await relay.stop()
-    assert await _saved(ledger) == ledger.stored_rows_after(0, 100_000)[-1][0]
+    assert _saved(ledger) == ledger.stored_rows_after(0, 100_000)[-1][0]
     ledger.close()
