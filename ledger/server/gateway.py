@@ -6,7 +6,7 @@ into the next batch makes one transaction serve many operations.
 
 Ledger work runs on the event loop's own thread, one batch at a time, so the
 database sees a single writer per process. A separate ledger thread was
-measured (`bench/e2e_bench.py`, launcher experiment `inline-ledger`) and lost:
+measured with `bench/e2e_bench.py` against this inline design and lost:
 both threads need the GIL for nearly all their work, so the thread bought no
 parallelism, only hand-offs and GIL convoys (545 against 612 operations/s,
 p99 at 200 operations/s 62 against 33 ms). Blocking the loop for one batch is
