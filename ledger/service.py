@@ -220,9 +220,7 @@ class Ledger:
         fresh: dict[str, tuple[int, str]] = {}
         # One query for the batch instead of one lookup per proposal; an ID
         # stored by another writer after it is caught by the append below.
-        stored = self._stored_ids(
-            _unpack(item)[0].operation_id for item in items if _unpack(item)[0].operation_id
-        )
+        stored = self._stored_ids(item[0].operation_id for item in items)
         for index, item in enumerate(items):
             proposal, context, host = _unpack(item)
             operation_id = proposal.operation_id or self._new_id()
