@@ -96,6 +96,13 @@ class ApprovalPolicy(_Frozen):
     risk_threshold: RiskLevel | None = Field(
         default=None, description="With mode risk_at_least: the lowest risk that needs approval."
     )
+    two_person_from: RiskLevel | None = Field(
+        default=None,
+        description=(
+            "With mode always or risk_at_least: from this risk on, two distinct approvers. "
+            "Risk rules over the arguments make this 'two-person above an amount'."
+        ),
+    )
     approver_roles: tuple[str, ...] = ("approver",)
     separation_of_duties: bool = Field(
         default=True, description="The requester may not approve their own call."
@@ -103,15 +110,27 @@ class ApprovalPolicy(_Frozen):
     expires_after_s: int = Field(default=900, gt=0)
 
     @model_validator(mode="after")
-    def _threshold_matches_mode(self) -> ApprovalPolicy:
+    def _thresholds_match_mode(self) -> ApprovalPolicy:
         if (self.mode is ApprovalMode.RISK_AT_LEAST) != (self.risk_threshold is not None):
             raise ValueError("risk_threshold is required with mode risk_at_least, and only then")
+        if self.two_person_from is not None:
+            if self.mode not in (ApprovalMode.ALWAYS, ApprovalMode.RISK_AT_LEAST):
+                raise ValueError("two_person_from applies only with mode always or risk_at_least")
+            # Below the approval threshold nobody approves, so a lower
+            # two-person level would silently mean nothing in between.
+            if self.risk_threshold is not None and not self.two_person_from.at_least(
+                self.risk_threshold
+            ):
+                raise ValueError("two_person_from must not be below risk_threshold")
         return self
 
-    @property
-    def required_approvals(self) -> int:
-        """How many distinct approvers a call needs."""
-        return 2 if self.mode is ApprovalMode.TWO_PERSON else 1
+    def required_approvals(self, risk: RiskLevel) -> int:
+        """How many distinct approvers a call of this risk needs, when it needs any."""
+        if self.mode is ApprovalMode.TWO_PERSON:
+            return 2
+        if self.two_person_from is not None and risk.at_least(self.two_person_from):
+            return 2
+        return 1
 
 
 class RetryPolicy(_Frozen):

@@ -32,9 +32,14 @@ def approval_requirement(
         reason = "this tool needs two distinct approvers"
     else:
         reason = "this tool always needs approval"
+    required = policy.required_approvals(risk)
+    if required == 2 and policy.two_person_from is not None:
+        reason += (
+            f"; risk {risk.value} reaches the two-person threshold {policy.two_person_from.value}"
+        )
     return ApprovalRequirement(
         approver_roles=policy.approver_roles,
-        required_approvals=policy.required_approvals,
+        required_approvals=required,
         separation_of_duties=policy.separation_of_duties,
         expires_in_s=policy.expires_after_s,
         reason=reason,

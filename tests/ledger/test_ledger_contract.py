@@ -18,7 +18,7 @@ from ledger import (
     ResultDisposition,
     StorageConfig,
 )
-from schemas import DecisionOutcome
+from schemas import DecisionOutcome, ToolProposal
 from tests.ledger.helpers import (
     ALICE,
     email,
@@ -110,6 +110,38 @@ def test_approval_is_bound_to_the_proposal_hash(ledger: Ledger) -> None:
         ledger.approve("mail-1", approver="lead2", approver_roles=["support_lead"],
                        proposal_hash=preview["proposal_hash"])
     assert event_types(ledger, "mail-1").count("ApprovalRefused") == 3
+
+
+def _refund(operation_id: str, amount_cents: int) -> ToolProposal:
+    return proposal(
+        "request_refund",
+        {"order_id": "order-1004", "amount_cents": amount_cents, "currency": "USD",
+         "reason_code": "damaged"},
+        operation_id=operation_id,
+    )
+
+
+def test_a_refund_above_500_needs_two_distinct_approvers_and_a_small_one_needs_one(
+    ledger: Ledger,
+) -> None:
+    finance = ["finance_approver"]
+    for operation_id, amount_cents, needed in (("refund-small", 10_000, 1),
+                                               ("refund-large", 60_000, 2)):
+        assert ledger.submit(_refund(operation_id, amount_cents), ALICE).state is (
+            S.AWAITING_APPROVAL)
+        approval = ledger.get(operation_id).approval
+        assert approval is not None and approval["required_approvals"] == needed
+        proposal_hash = approval["effect_preview"]["proposal_hash"]
+        ledger.approve(operation_id, approver="fin-1", approver_roles=finance,
+                       proposal_hash=proposal_hash)
+        if needed == 2:
+            assert ledger.get(operation_id).state is S.AWAITING_APPROVAL
+            with pytest.raises(ApprovalRefused, match="duplicate_approver"):
+                ledger.approve(operation_id, approver="fin-1", approver_roles=finance,
+                               proposal_hash=proposal_hash)
+            ledger.approve(operation_id, approver="fin-2", approver_roles=finance,
+                           proposal_hash=proposal_hash)
+        assert ledger.get(operation_id).state is S.READY
 
 
 def test_expired_approvals_are_swept(storage: StorageConfig) -> None:

@@ -229,6 +229,31 @@ def test_two_person_policy_asks_for_two_approvers() -> None:
     assert decision.approval.separation_of_duties
 
 
+def test_two_person_from_a_risk_level_asks_for_a_second_approver_only_there() -> None:
+    contract = make_contract(approval={"mode": "always", "two_person_from": "moderate"})
+    checker = _checker(contract)
+    narrow = checker.check(_proposal({"query": "ok"}), CONTEXT)
+    wide = checker.check(_proposal({"query": "ok", "top_k": 15}), CONTEXT)
+    assert narrow.approval is not None and wide.approval is not None
+    assert (narrow.risk, narrow.approval.required_approvals) == (RiskLevel.LOW, 1)
+    assert (wide.risk, wide.approval.required_approvals) == (RiskLevel.MODERATE, 2)
+    assert "two-person threshold moderate" in wide.approval.reason
+    assert "two-person" not in narrow.approval.reason
+
+
+def test_two_person_from_combines_with_an_approval_threshold() -> None:
+    contract = make_contract(
+        approval={
+            "mode": "risk_at_least", "risk_threshold": "moderate", "two_person_from": "moderate"
+        }
+    )
+    checker = _checker(contract)
+    assert checker.check(_proposal({"query": "ok"}), CONTEXT).outcome is DecisionOutcome.READY
+    wide = checker.check(_proposal({"query": "ok", "top_k": 15}), CONTEXT)
+    assert wide.outcome is DecisionOutcome.NEEDS_APPROVAL
+    assert wide.approval is not None and wide.approval.required_approvals == 2
+
+
 def test_forbidden_tool_is_rejected_as_policy_denied() -> None:
     contract = make_contract(approval={"mode": "forbidden"})
     decision = _checker(contract).check(_proposal({"query": "ok"}), CONTEXT)

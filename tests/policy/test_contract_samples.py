@@ -353,7 +353,7 @@ def test_writes_are_idempotent_and_irreversible_writes_never_auto_retry(
         ("query_orders", EffectClass.PURE_READ, ApprovalMode.RISK_AT_LEAST, RiskLevel.HIGH),
         ("send_customer_email", EffectClass.IRREVERSIBLE_WRITE, ApprovalMode.ALWAYS, None),
         ("create_ticket", EffectClass.REVERSIBLE_WRITE, ApprovalMode.RISK_AT_LEAST, RiskLevel.HIGH),
-        ("request_refund", EffectClass.IRREVERSIBLE_WRITE, ApprovalMode.TWO_PERSON, None),
+        ("request_refund", EffectClass.IRREVERSIBLE_WRITE, ApprovalMode.ALWAYS, None),
         ("delete_document", EffectClass.IRREVERSIBLE_WRITE, ApprovalMode.FORBIDDEN, None),
     ],
 )
@@ -503,20 +503,26 @@ def test_seed_004_snapshot_of_document_b_is_refused_before_comparing(
     assert repaired.applied_defaults == ("/ignore_whitespace",)
 
 
-def test_request_refund_needs_two_distinct_approvers(checker: ProposalChecker) -> None:
+@pytest.mark.parametrize(
+    ("amount_cents", "risk", "approvers"),
+    [(5000, RiskLevel.HIGH, 1), (50000, RiskLevel.HIGH, 1), (50001, RiskLevel.CRITICAL, 2)],
+)
+def test_request_refund_needs_two_distinct_approvers_above_500(
+    checker: ProposalChecker, amount_cents: int, risk: RiskLevel, approvers: int
+) -> None:
     decision = _check(
         checker,
         "request_refund",
         {
-            "order_id": "order-1001",
-            "amount_cents": 5000,
+            "order_id": "order-1004",
+            "amount_cents": amount_cents,
             "currency": "USD",
             "reason_code": "damaged",
         },
     )
     assert decision.outcome is DecisionOutcome.NEEDS_APPROVAL, _explain(decision)
     assert decision.approval is not None
-    assert decision.approval.required_approvals == 2
+    assert (decision.risk, decision.approval.required_approvals) == (risk, approvers)
     assert decision.approval.separation_of_duties is True
     assert decision.approval.approver_roles == ("finance_approver",)
 

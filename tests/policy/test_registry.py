@@ -114,6 +114,23 @@ def test_version_record_hashes_change_with_the_schema() -> None:
     assert len(first.version_record.input_schema_hash) == 64
 
 
+@pytest.mark.parametrize(
+    ("approval", "message"),
+    [
+        ({"mode": "never", "two_person_from": "high"}, "only with mode always or risk_at_least"),
+        ({"mode": "two_person", "two_person_from": "high"}, "only with mode always or"),
+        ({"mode": "forbidden", "two_person_from": "high"}, "only with mode always or"),
+        (
+            {"mode": "risk_at_least", "risk_threshold": "high", "two_person_from": "moderate"},
+            "must not be below risk_threshold",
+        ),
+    ],
+)
+def test_two_person_from_must_mean_something(approval: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_contract(approval=approval)
+
+
 def test_risk_threshold_must_match_approval_mode() -> None:
     with pytest.raises(ValueError, match="risk_threshold"):
         make_contract(approval={"mode": "risk_at_least"})
