@@ -662,7 +662,16 @@ class Ledger:
         envelope: ResultEnvelope,
         kept: list[tuple[str, ResultEnvelope]],
     ) -> ResultDisposition:
-        """Record one result on a loaded operation (no save); `kept` gets its envelope."""
+        """Record one result on a loaded operation (no save); `kept` gets its envelope.
+
+        A result whose provenance names another tool is REFUSED: the results
+        consumer accepts a tool's results only on that tool's subject, which
+        only its executors may publish to, so this is an executor of one tool
+        trying to settle another tool's operation (fencing tokens are small
+        counters, easily guessed).
+        """
+        if envelope.provenance.tool != operation.tool:
+            return ResultDisposition.REFUSED
         now = self._clock()
         attempt = envelope.provenance.attempt
         reference = ResultStore.reference(operation.id, attempt)

@@ -55,3 +55,5 @@ class ResultDisposition(StrEnum):
     """It came with an old fencing token: recorded as stale, state unchanged."""
     CONFLICTING = "conflicting"
     """A different outcome for a finished operation: recorded for auditors, outcome unchanged."""
+    REFUSED = "refused"
+    """It came from an executor of another tool: nothing recorded, like a refused lease."""

@@ -26,6 +26,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
+from ledger.domain.states import ResultDisposition
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.relay import Relay
@@ -238,6 +239,12 @@ class LedgerService:
                 continue
             if isinstance(outcome, BaseException):
                 _log.warning("result for %s refused: %s", envelope.operation_id, outcome)
+            elif outcome is ResultDisposition.REFUSED:
+                _log.warning(
+                    "result for %s refused: the operation is not a %s operation",
+                    envelope.operation_id,
+                    envelope.provenance.tool,
+                )
             await message.ack()
 
     # ------------------------------------------------------------------- sweeps

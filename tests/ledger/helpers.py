@@ -59,7 +59,7 @@ def email(operation_id: str | None = None, recipients: tuple[str, ...] = ("cus-0
 
 def result(operation_id: str, token: int, attempt: int = 1, *, ok: bool = True,
            data: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
-           executor: str = "exec-1") -> ResultEnvelope:
+           executor: str = "exec-1", tool: str = "search_documents") -> ResultEnvelope:
     """An executor's result envelope."""
     return ResultEnvelope.model_validate({
         "operation_id": operation_id,
@@ -68,7 +68,7 @@ def result(operation_id: str, token: int, attempt: int = 1, *, ok: bool = True,
         "data": data if ok else None,
         "error": error,
         "provenance": Provenance(
-            tool="search_documents", tool_version="2.1.0", executor=executor, attempt=attempt,
+            tool=tool, tool_version="2.1.0", executor=executor, attempt=attempt,
             latency_ms=3.0, completed_at=datetime.now(UTC),
         ),
     })

@@ -18,7 +18,7 @@ from ledger import (
     ResultDisposition,
     StorageConfig,
 )
-from schemas import DecisionOutcome, ToolProposal
+from schemas import DecisionOutcome, LeaseDecision, ToolProposal
 from tests.ledger.helpers import (
     ALICE,
     email,
@@ -414,6 +414,25 @@ def test_lease_protocol_converges_after_a_lost_executor(storage: StorageConfig) 
     assert event_types(ledger, "op-1")[3:] == [
         "LeaseClaimed", "LeaseExpired", "ReconciliationStarted", "Reconciled",
     ]
+
+
+def test_an_executor_of_another_tool_can_neither_lease_nor_settle_an_operation(
+    ledger: Ledger,
+) -> None:
+    ledger.submit(search("s-1"), ALICE)
+    refused = ledger.lease("s-1", executor="mail-exec", tool="send_customer_email")
+    assert refused.decision is LeaseDecision.REFUSED
+    assert ledger.get("s-1").state is S.READY
+    grant = ledger.claim("s-1", executor="exec-1")
+    before = event_types(ledger, "s-1")
+    # The right fencing token, from the wrong tool's executor: refused, nothing recorded.
+    foreign = result("s-1", grant.fencing_token, tool="send_customer_email")
+    assert ledger.record_result(foreign) is ResultDisposition.REFUSED
+    assert ledger.record_results([foreign]) == [ResultDisposition.REFUSED]
+    assert event_types(ledger, "s-1") == before
+    assert ledger.get("s-1").state is S.EXECUTING
+    assert ledger.record_result(result("s-1", grant.fencing_token)) is ResultDisposition.ACCEPTED
+    assert ledger.get("s-1").state is S.SUCCEEDED
 
 
 def test_status_for_another_host_is_reported_like_a_missing_operation(ledger: Ledger) -> None:
