@@ -2,6 +2,9 @@
 
 The provider behaves like a real transactional mail API with idempotency keys:
 
+- every call to `send` is recorded as a request, whatever became of it
+  (`count_send_requests`): this is what shows whether an executor called the
+  provider again, which the provider's own deduplication would otherwise hide;
 - every accepted send is recorded (one row per send, one per message);
 - a second send with the same key does not send again: it returns the first
   send's message IDs (and refuses a *different* message under a used key);
@@ -9,7 +12,8 @@ The provider behaves like a real transactional mail API with idempotency keys:
 
 It lives in a SQLite file named by the executor's secret `email_provider_db`
 (`OPLEDGER_SECRET_EMAIL_PROVIDER_DB`), so two executor processes, and the
-test that counts side effects with `count_sends`, share one provider.
+test that counts side effects with `count_sends` and `count_send_requests`,
+share one provider.
 
 Test hook: with `OPLEDGER_TEST_CRASH_AFTER_SEND=1` the process exits hard
 (status 137, like SIGKILL) right after the provider recorded a new send and
@@ -42,6 +46,7 @@ __all__ = [
     "IdempotencyKeyReused",
     "SendRecord",
     "count_messages",
+    "count_send_requests",
     "count_sends",
     "send_customer_email",
 ]
@@ -68,7 +73,13 @@ _SCHEMA = (
     " address TEXT NOT NULL,"
     " subject TEXT NOT NULL,"
     " body TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS send_requests ("
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+    " idempotency_key TEXT NOT NULL,"
+    " outcome TEXT NOT NULL,"  # sent, deduplicated or refused
+    " requested_at TEXT NOT NULL)",
 )
+_REQUEST = "INSERT INTO send_requests (idempotency_key, outcome, requested_at) VALUES (?, ?, ?)"
 _SUBJECTS = {
     "support_received": "We received your request {ticket_id}",
     "refund_review_requested": "Your refund for {order_id} is being reviewed",
@@ -157,14 +168,18 @@ class FakeEmailProvider:
         with self._connection() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
+                sent_at = datetime.now(UTC).isoformat()
                 existing = db.execute(_SELECT_WITH_HASH, (idempotency_key,)).fetchone()
                 if existing is not None:
-                    db.execute("ROLLBACK")
-                    if existing[-1] != request_hash:
+                    reused = existing[-1] != request_hash
+                    outcome = "refused" if reused else "deduplicated"
+                    db.execute(_REQUEST, (idempotency_key, outcome, sent_at))
+                    db.execute("COMMIT")
+                    if reused:
                         raise IdempotencyKeyReused(idempotency_key)
                     return _record(existing[:-1])
                 message_ids = [f"msg-{uuid.uuid4().hex}" for _ in recipients]
-                sent_at = datetime.now(UTC).isoformat()
+                db.execute(_REQUEST, (idempotency_key, "sent", sent_at))
                 db.execute(
                     "INSERT INTO sends (idempotency_key, request_hash, template, recipient_ids,"
                     " rejected_recipient_ids, message_ids, sent_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -213,7 +228,7 @@ class FakeEmailProvider:
 def _count(path: str | Path, table: str, operation_id: str | None) -> int:
     if not Path(path).exists():
         return 0
-    query = f"SELECT COUNT(*) FROM {table}"  # table is one of two literals, never input
+    query = f"SELECT COUNT(*) FROM {table}"  # table is one of our literals, never input
     parameters: tuple[str, ...] = ()
     if operation_id is not None:
         query += " WHERE idempotency_key = ?"
@@ -229,6 +244,11 @@ def _count(path: str | Path, table: str, operation_id: str | None) -> int:
 def count_sends(path: str | Path, operation_id: str | None = None) -> int:
     """How many sends the provider recorded (all, or under one operation's key)."""
     return _count(path, "sends", operation_id)
+
+
+def count_send_requests(path: str | Path, operation_id: str | None = None) -> int:
+    """How many times `send` was called (all, or under one operation's key), sent or not."""
+    return _count(path, "send_requests", operation_id)
 
 
 def count_messages(path: str | Path, operation_id: str | None = None) -> int:

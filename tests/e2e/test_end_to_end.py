@@ -10,13 +10,19 @@ import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
-from executors.samples.email import count_sends
+from executors.samples.email import count_send_requests, count_sends
 from ledger.client import AgentHostClient, RequestRefused
 from ledger.nats import NatsServer, connect_as
 from schemas import (
+    RESULTS_CONSUMER,
+    RESULTS_STREAM,
     SCHEMA_DIR,
+    LeaseDecision,
+    LeaseReply,
+    LeaseRequest,
     OperationStatus,
     ProposeReply,
+    ResultEnvelope,
     RuntimeContext,
     Subjects,
     ToolProposal,
@@ -110,6 +116,9 @@ async def test_killed_executor_converges_on_one_side_effect(stack: Stack) -> Non
         await host.close()
     assert status.state == "succeeded", stack.log("service.log")
     assert count_sends(stack.email_db, "op-mail") == 1
+    # The provider deduplicates by key anyway; what matters is that the
+    # redelivered item never reached it: the ledger had it reconcile instead.
+    assert count_send_requests(stack.email_db, "op-mail") == 1
     history = [type(e).__name__ for e in ledger.history("op-mail")]
     assert "Reconciled" in history
     assert history.count("LeaseClaimed") == 1
@@ -135,13 +144,69 @@ async def test_the_same_result_twice_is_one_outcome(stack: Stack) -> None:
                                  headers={"Nats-Msg-Id": f"replay-{suffix}"})
         finally:
             await executor.close()
-        await asyncio.sleep(1.5)
+        await _results_drained(stack)
         again = await host.status("op-dup")
     finally:
         await host.close()
     assert again.state == "succeeded"
     assert len(ledger.history("op-dup")) == events
     assert again.outcome == status.outcome
+
+
+async def test_one_result_published_twice_before_it_is_recorded_is_one_outcome(
+    stack: Stack,
+) -> None:
+    """No executor runs: the test leases the work itself and publishes its result twice."""
+    host = await _host(stack)
+    ledger = stack.ledger()
+    executor = await connect_as(stack.server.url, stack.credentials.executor("search_documents"))
+    try:
+        await host.propose(_proposal("search_documents", {"query": "refunds"}, "op-dup2"), ALICE)
+        request = LeaseRequest(operation_id="op-dup2", executor="test-exec")
+        answer = await executor.request(Subjects.lease("search_documents"),
+                                        request.model_dump_json().encode(), timeout=10)
+        lease = LeaseReply.model_validate_json(answer.data)
+        assert lease.decision is LeaseDecision.EXECUTE and lease.fencing_token is not None
+        envelope = ResultEnvelope.model_validate({
+            "operation_id": "op-dup2", "fencing_token": lease.fencing_token, "ok": True,
+            "data": {"items": [], "truncated": False},
+            "provenance": {"tool": "search_documents", "tool_version": lease.tool_version,
+                           "executor": "test-exec", "attempt": lease.attempt,
+                           "latency_ms": 1.0, "completed_at": "2026-11-29T10:00:00Z"},
+        })
+        js = executor.jetstream()
+        acks = [await js.publish(Subjects.result("search_documents"),
+                                 envelope.model_dump_json().encode(),
+                                 headers={"Nats-Msg-Id": f"twice-{suffix}"})
+                for suffix in ("a", "b")]  # distinct message IDs: JetStream keeps both
+        assert not any(ack.duplicate for ack in acks)
+        status = await host.outcome("op-dup2", timeout=30)
+        await _results_drained(stack)
+    finally:
+        await executor.close()
+        await host.close()
+    assert status.state == "succeeded", stack.log("service.log")
+    history = [type(e).__name__ for e in ledger.history("op-dup2")]
+    assert history.count("Succeeded") == 1, history
+    assert not {"StaleResultRecorded", "ConflictingOutcomeRecorded"} & set(history), history
+
+
+async def _results_drained(stack: Stack, timeout: float = 15) -> None:
+    """Wait until the ledger's results consumer has taken and acknowledged every result."""
+    nc = await connect_as(stack.server.url, stack.credentials.ledger)
+    try:
+        js = nc.jetstream()
+        for _ in range(int(timeout / 0.1)):
+            stream = await js.stream_info(RESULTS_STREAM)
+            info = await js.consumer_info(RESULTS_STREAM, RESULTS_CONSUMER)
+            if (info.num_pending, info.num_ack_pending) == (0, 0) and (
+                info.delivered.stream_seq >= stream.state.last_seq
+            ):
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"results not drained: {info}")
+    finally:
+        await nc.close()
 
 
 async def test_raw_nats_host_without_the_sdk(stack: Stack) -> None:

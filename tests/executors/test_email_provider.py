@@ -19,6 +19,7 @@ from executors.samples.email import (
     IdempotencyKeyReused,
     SendRecord,
     count_messages,
+    count_send_requests,
     count_sends,
     send_customer_email,
 )
@@ -64,6 +65,7 @@ def test_a_send_is_recorded_once_per_key(tmp_path: Path) -> None:
     assert count_sends(db) == 1
     assert count_sends(db, "op-1") == 1
     assert count_messages(db) == 2
+    assert count_send_requests(db, "op-1") == 2  # the repeat was a call, not a send
     assert first.as_output() == {
         "accepted_count": 2,
         "rejected_recipient_ids": ["cus-0007"],
@@ -89,6 +91,7 @@ def test_a_used_key_with_another_message_is_refused(tmp_path: Path) -> None:
     with pytest.raises(IdempotencyKeyReused):
         _send(provider, "op-1", body="second")
     assert count_sends(tmp_path / "mail.db") == 1
+    assert count_send_requests(tmp_path / "mail.db") == 2
 
 
 def test_lookup_by_key(tmp_path: Path) -> None:
@@ -126,6 +129,7 @@ def test_concurrent_sends_under_one_key_deliver_once(tmp_path: Path) -> None:
         thread.join()
     assert count_sends(db) == 1
     assert count_messages(db) == 2
+    assert count_send_requests(db, "op-race") == 8
     assert sum(1 for r in results if r.created) == 1
     assert len({r.message_ids for r in results}) == 1
 
@@ -215,3 +219,5 @@ def test_crash_after_send_then_redelivery_converges_on_one_send(tmp_path: Path) 
     assert settled.reason == "reconciled"
     assert count_sends(db) == 1
     assert count_messages(db) == 1
+    # Neither the retry nor the reconciliation called the provider again.
+    assert count_send_requests(db, "op-crash") == 1
