@@ -101,8 +101,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="work items run at once (the tool must allow concurrent calls)",
     )
+    run.add_argument(
+        "--progress-every",
+        type=_positive_seconds,
+        default=5.0,
+        help=(
+            "seconds between in-progress acks during long work; keep it well under the"
+            " work consumer's ack wait (the service's --ack-wait), or long work is redelivered"
+        ),
+    )
     run.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds: {text!r}")
+    return value
 
 
 def _default_name(tool_name: str) -> str:
@@ -157,6 +176,7 @@ def run_executor_main(argv: Sequence[str] | None = None) -> int:
             ),
             executor=name,
             batch_size=args.batch,
+            heartbeat_interval_s=args.progress_every,
             secrets=secrets,
             metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,

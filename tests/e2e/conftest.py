@@ -22,6 +22,7 @@ from schemas import StatusRequest, Subjects
 SAMPLE_TOOLS = {
     "search_documents": "executors.samples.documents:search_documents",
     "send_customer_email": "executors.samples.email:send_customer_email",
+    "query_orders": "executors.samples.orders:query_orders",
 }
 HOSTS = ("h1", "h2")
 ACK_WAIT_S = 2.0
@@ -49,16 +50,22 @@ class Stack:
         """The fake e-mail provider's file, shared by every e-mail executor process."""
         return self.home / "email-provider.db"
 
-    def start_executor(self, tool: str, **env: str) -> subprocess.Popen[bytes]:
-        """Start one more executor process of `tool` with its own credentials."""
+    def start_executor(
+        self, tool: str, *options: str, spec: str | None = None, **env: str
+    ) -> subprocess.Popen[bytes]:
+        """Start one more executor process of `tool` with its own credentials.
+
+        `spec`: another `MODULE:TOOL` than the sample; `options`: more flags.
+        """
         log = (self.home / f"exec-{tool}-{len(self.executors.get(tool, []))}.log").open("wb")
         process = subprocess.Popen(
             [
-                sys.executable, "-m", "executors", "run", SAMPLE_TOOLS[tool],
+                sys.executable, "-m", "executors", "run", spec or SAMPLE_TOOLS[tool],
                 "--creds", str(self.credentials.executor(tool).seed_path),
                 "--nats-url", self.server.url,
                 "--contracts", str(CATALOG_DIR),
                 "--name", f"{tool}-{len(self.executors.get(tool, []))}",
+                *options,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -17,6 +17,7 @@ from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
     SCHEMA_DIR,
+    WORK_STREAM,
     LeaseDecision,
     LeaseReply,
     LeaseRequest,
@@ -26,8 +27,10 @@ from schemas import (
     RuntimeContext,
     Subjects,
     ToolProposal,
+    work_consumer,
 )
 from tests.e2e.conftest import ACK_WAIT_S, Stack
+from tests.e2e.slow_tool import SLOW_S
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -207,6 +210,33 @@ async def _results_drained(stack: Stack, timeout: float = 15) -> None:
         raise AssertionError(f"results not drained: {info}")
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize(("progress_every", "deliveries"), [(0.5, 1), (30.0, 2)])
+async def test_work_longer_than_the_ack_wait_is_not_redelivered_while_it_runs(
+    stack: Stack, progress_every: float, deliveries: int
+) -> None:
+    """In-progress acks hold the item; without them in time, the server redelivers it."""
+    assert SLOW_S > ACK_WAIT_S
+    stack.start_executor("query_orders", "--progress-every", str(progress_every),
+                         spec="tests.e2e.slow_tool:slow_query_orders")
+    host = await _host(stack)
+    reader = ALICE.model_copy(update={"capabilities": frozenset({"orders:read"})})
+    try:
+        reply = await host.propose(_proposal("query_orders", {"limit": 10}, "op-slow"), reader)
+        assert reply.state == "ready", reply
+        status = await host.outcome("op-slow", timeout=30)
+    finally:
+        await host.close()
+    assert status.state == "succeeded", stack.log("exec-query_orders-0.log")
+    nc = await connect_as(stack.server.url, stack.credentials.ledger)
+    try:
+        info = await nc.jetstream().consumer_info(WORK_STREAM, work_consumer("query_orders"))
+    finally:
+        await nc.close()
+    assert info.delivered.consumer_seq == deliveries
+    history = [type(e).__name__ for e in stack.ledger().history("op-slow")]
+    assert history.count("LeaseClaimed") == 1  # a redelivery while it runs finds the lease busy
 
 
 async def test_raw_nats_host_without_the_sdk(stack: Stack) -> None:
