@@ -11,9 +11,12 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from executors.samples.email import count_send_requests, count_sends
+from ledger.audit.export import exported_events
 from ledger.client import AgentHostClient, RequestRefused
 from ledger.nats import NatsServer, connect_as
 from schemas import (
+    FEED_AUDITOR_CONSUMER,
+    FEED_STREAM,
     RESULTS_CONSUMER,
     RESULTS_STREAM,
     SCHEMA_DIR,
@@ -23,6 +26,7 @@ from schemas import (
     LeaseRequest,
     OperationStatus,
     ProposeReply,
+    PullConsumer,
     ResultEnvelope,
     RuntimeContext,
     Subjects,
@@ -237,6 +241,49 @@ async def test_work_longer_than_the_ack_wait_is_not_redelivered_while_it_runs(
     assert info.delivered.consumer_seq == deliveries
     history = [type(e).__name__ for e in stack.ledger().history("op-slow")]
     assert history.count("LeaseClaimed") == 1  # a redelivery while it runs finds the lease busy
+
+
+async def test_an_auditor_reads_every_event_from_the_feed_as_the_ledger_stored_it(
+    stack: Stack,
+) -> None:
+    """The auditor's own identity and consumer; each record valid, chained, as in the ledger."""
+    stack.start_executor("search_documents")
+    host = await _host(stack)
+    try:
+        await host.propose(_proposal("search_documents", {"query": "refunds"}, "op-f1"), ALICE)
+        await host.propose(_proposal("search_documents", {"query": ""}, "op-f2"), ALICE)
+        assert (await host.outcome("op-f1", timeout=30)).state == "succeeded"
+    finally:
+        await host.close()
+    ledger = stack.ledger()
+    stored = ledger.stored_rows_after(0, 1_000)
+    contracts = {"search_documents": ledger.checker.catalog["search_documents"]}
+    expected = {(record["operation_id"], record["version"]): record
+                for record in exported_events(stored, contracts)}
+    validator = Draft202012Validator(
+        orjson.loads((SCHEMA_DIR / "feed-event.schema.json").read_bytes()))
+    auditor = await connect_as(stack.server.url, stack.credentials.auditor())
+    feed = PullConsumer(auditor, FEED_STREAM, FEED_AUDITOR_CONSUMER)
+    await feed.start()
+    seen: dict[tuple[str, int], dict] = {}
+    try:
+        for _ in range(50):
+            for message in await feed.take(100, timeout=0.2):
+                record = orjson.loads(message.data)
+                validator.validate(record)
+                assert message.subject == Subjects.feed("search_documents", record["type"])
+                seen[(record["operation_id"], record["version"])] = record
+                await message.ack()
+            if len(seen) >= len(expected):
+                break
+    finally:
+        await feed.stop()
+        await auditor.close()
+    assert seen == expected
+    for (operation_id, version), record in seen.items():
+        if version > 1:  # each event names the hash of its operation's previous one
+            assert record["prev_hash"] == seen[(operation_id, version - 1)]["event_hash"]
+    assert {key[0] for key in seen} == {"op-f1", "op-f2"}
 
 
 async def test_raw_nats_host_without_the_sdk(stack: Stack) -> None:
