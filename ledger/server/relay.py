@@ -313,7 +313,8 @@ class Relay:
                 _Message(
                     Subjects.work(tool),
                     item.model_dump_json().encode(),
-                    f"{operation_id}:{version}",
+                    # One dispatch event per attempt, so one work item per attempt.
+                    f"{operation_id}:attempt-{attempt}",
                 )
             )
         if kind in _SETTLING and host:

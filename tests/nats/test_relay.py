@@ -75,10 +75,10 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
         await second.pump()
         assert len(second.published) == 4
         assert sorted(second.published) == sorted(
-            [f"{ids[2]}:{version}" for version in (1, 2, 3)] + [f"{ids[2]}:3"]
-        )  # its three events and the work item (which carries the Readied event's ID)
+            [f"{ids[2]}:{version}" for version in (1, 2, 3)] + [f"{ids[2]}:attempt-1"]
+        )  # its three events and the work item of its first attempt
         assert not any(ids[2] in published for published in first.published)
-        assert len(set(first.published + second.published)) == 9  # no event twice
+        assert len(set(first.published + second.published)) == 12  # nothing twice
         assert await _stored(js, FEED_STREAM) == feed + 9
         assert await _stored(js, WORK_STREAM) == work + 3
     ledger.close()
