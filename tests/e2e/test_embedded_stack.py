@@ -4,6 +4,7 @@ commands that find it without flags, and a clean stop; `opledger demo` as a smok
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,14 @@ from ledger.nats import connect_as, load_credentials
 from schemas import RuntimeContext, ToolProposal
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -64,12 +73,21 @@ def test_embedded_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         for name, pid in pids.items():
             env = _environ(pid)
             assert "OPLEDGER_SECRET_SUPERVISOR_ONLY" not in env, name
-        ledger_cmd = Path(f"/proc/{pids['ledger']}/cmdline").read_bytes().split(b"\0")
-        assert b"--secrets" not in ledger_cmd
-        email_cmd = Path(f"/proc/{pids['executor-send_customer_email']}/cmdline").read_bytes()
-        assert b"--secrets" in email_cmd
-        search_cmd = Path(f"/proc/{pids['executor-search_documents']}/cmdline").read_bytes()
-        assert b"--secrets" not in search_cmd
+        commands = {name: _cmdline(pid) for name, pid in pids.items()}
+        holders = {name for name, cmd in commands.items() if "--secrets" in cmd}
+        holders |= {name for name, pid in pids.items()
+                    if any(key.startswith("OPLEDGER_SECRET_") for key in _environ(pid))}
+        assert holders == {"executor-send_customer_email"}
+        email_secrets = json.loads(Path(_flag(commands["executor-send_customer_email"],
+                                              "--secrets")).read_text())
+        assert set(email_secrets) == {"email_provider_db"}
+        # Credentials: every process its own NKey, each executor its own tool's.
+        seeds = {name: _flag(cmd, "--creds") for name, cmd in commands.items()}
+        assert len(set(seeds.values())) == len(seeds)
+        creds = load_credentials(Path(info.creds_dir))
+        assert seeds["ledger"] == str(creds.ledger.seed_path)
+        for tool in stack.executors:
+            assert seeds[f"executor-{tool}"] == str(creds.executor(tool).seed_path)
         # Metrics, named as in the seed, without operation or user labels.
         with urllib.request.urlopen(info.metrics["ledger"], timeout=5) as response:
             text = response.read().decode()
