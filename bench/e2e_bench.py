@@ -86,7 +86,7 @@ from nats.js.api import (
 from ledger import StorageConfig, build_ledger
 from ledger.client import AgentHostClient
 from ledger.nats import CredentialSet, NatsServer, connect_as, flush_all, generate_credentials
-from ledger.nats.security import new_user_seed
+from ledger.nats.security import LEDGER_USERS_END, new_user_seed
 from policy.catalog import CATALOG_DIR
 from schemas import PullConsumer, RuntimeContext, StatusRequest, Subjects, ToolProposal
 
@@ -291,11 +291,12 @@ def _with_bench_user(credentials: CredentialSet, seed_path: Path) -> str:
     seed_path.chmod(0o600)
     public_key = nkeys.from_seed(bytearray(seed)).public_key.decode()
     block = credentials.authorization_config
-    head, closing, tail = block.rpartition("  ]\n}")
-    assert closing and not tail.strip(), "unexpected authorization block layout"
+    head, closing, tail = block.partition(LEDGER_USERS_END)
+    assert closing, "unexpected authorization block layout"
+    # In the streams' account, without permissions: the baseline's own stream.
     user = (
-        "    {\n      # bench raw JetStream baseline\n"
-        f"      nkey: {json.dumps(public_key)}\n    }}\n"
+        "      {\n        # bench raw JetStream baseline\n"
+        f"        nkey: {json.dumps(public_key)}\n      }}\n"
     )
     return head + user + closing + tail
 

@@ -12,7 +12,7 @@ writes, under OUTPUT_DIR (the compose file expects `deploy/generated`):
     nats/nats-1.conf .. nats-3.conf one nats-server config per cluster node: JetStream,
                                     routes to the other two nodes by compose service name
                                     (authenticated with a generated route password),
-                                    monitoring on 127.0.0.1 only, and the authorization
+                                    monitoring on 127.0.0.1 only, and the accounts
                                     block of the generated identities
     secrets/<tool>.json             an executor's own secrets, for tools that need any
     postgres/password               the PostgreSQL password (kept when it already exists)

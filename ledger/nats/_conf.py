@@ -47,7 +47,7 @@ class ServerSettings:
     monitor_port: int | None = None
     cluster: ClusterOptions | None = None
     authorization: str | None = None
-    """An `authorization { ... }` block, e.g. from `CredentialSet.authorization_config`."""
+    """The users' block, e.g. `accounts { ... }` from `CredentialSet.authorization_config`."""
     extra_lines: Sequence[str] = field(default_factory=tuple)
 
 

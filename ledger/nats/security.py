@@ -15,6 +15,20 @@ must use, which `connect_options` sets. Nobody but the ledger may create
 consumers: a consumer's creator picks its filter, and could read any subject
 through it (nats-server issue #3295).
 
+Permissions alone are not enough for the roles that talk to JetStream. The
+server never checks the reply subject of a request against the requester's
+rights, and JetStream answers a pull request by delivering messages to that
+reply subject, inside the account. An executor could pull its own work item
+with reply `ops.feed.x` and have the feed stream store it, or publish a
+result with reply `ops.exec.<other tool>` and have the PubAck land in another
+tool's work queue. So the streams live in their own account (`LEDGER`, with
+the ledger service and the agent hosts, who use no JetStream subject), and
+each tool's executors in an account of their own (`EXEC_<tool>`), the
+auditors in `AUDIT`. Those accounts import from `LEDGER` exactly the subjects
+their users may publish, as services: the server then replaces every reply
+subject by a private one that leads back into the importing account, where
+no stream listens. JetStream is enabled in `LEDGER` only.
+
 The server stores only the public keys (`U...`); each process keeps its seed
 file (mode 0600) and signs the server's nonce with it.
 """
@@ -45,12 +59,16 @@ from schemas import (
 )
 
 __all__ = [
+    "AUDIT_ACCOUNT",
+    "LEDGER_ACCOUNT",
+    "LEDGER_USERS_END",
     "MANIFEST_NAME",
     "CredentialSet",
     "Identity",
     "Permissions",
     "ResponsePermission",
     "Role",
+    "account_of",
     "authorization_config",
     "connect_options",
     "generate_credentials",
@@ -245,7 +263,7 @@ class CredentialSet:
 
     @property
     def authorization_config(self) -> str:
-        """The `authorization { users: [...] }` block for the server's config file."""
+        """The `accounts { ... }` block for the server's config file (`authorization_config`)."""
         return authorization_config(self.identities)
 
     def get(self, role: Role, name: str) -> Identity:
@@ -348,26 +366,86 @@ def _subject_list(subjects: Sequence[str]) -> str:
     return "[" + ", ".join(quote(s) for s in subjects) + "]"
 
 
+LEDGER_ACCOUNT = "LEDGER"
+"""The account of the streams, the ledger service and the agent hosts."""
+AUDIT_ACCOUNT = "AUDIT"
+"""The account of the auditors."""
+
+
+def account_of(role: Role, name: str) -> str:
+    """The NATS account identity `name` of `role` belongs to (see the module docstring)."""
+    if role is Role.EXECUTOR:
+        return f"EXEC_{check_token(name)}"
+    if role is Role.AUDITOR:
+        return AUDIT_ACCOUNT
+    return LEDGER_ACCOUNT
+
+
+def _user_lines(identity: Identity) -> list[str]:
+    perms = identity.permissions
+    lines = [
+        "      {",
+        f"        # {identity.role.value} {identity.name}",
+        f"        nkey: {quote(identity.public_key)}",
+        "        permissions: {",
+        f"          publish: {{ allow: {_subject_list(perms.publish)} }}",
+        f"          subscribe: {{ allow: {_subject_list(perms.subscribe)} }}",
+    ]
+    if perms.allow_responses is not None:
+        rp = perms.allow_responses
+        lines.append(
+            f"          allow_responses: {{ max: {rp.max}, expires: {quote(rp.expires)} }}"
+        )
+    return [*lines, "        }", "      }"]
+
+
+def _is_pull(subject: str) -> bool:
+    # A pull request is answered by many messages over its lifetime, not one.
+    return subject.startswith("$JS.API.CONSUMER.MSG.NEXT.")
+
+
+LEDGER_USERS_END = "    ]  # end of LEDGER users"
+"""The line that closes the `LEDGER` account's user list (a place to add one)."""
+
+
 def authorization_config(identities: Iterable[Identity]) -> str:
-    """The server's `authorization` block: one NKey user per identity, allow lists only."""
-    lines = ["authorization {", "  users: ["]
+    """The server's `accounts { ... }` block: accounts, NKey users, exports and imports.
+
+    Every user has allow lists only. An executor's or auditor's account
+    imports from `LEDGER` exactly the subjects its users may publish, and
+    `LEDGER` exports each only to that account.
+    """
+    members: dict[str, list[Identity]] = {}
     for identity in identities:
-        perms = identity.permissions
-        lines += [
-            "    {",
-            f"      # {identity.role.value} {identity.name}",
-            f"      nkey: {quote(identity.public_key)}",
-            "      permissions: {",
-            f"        publish: {{ allow: {_subject_list(perms.publish)} }}",
-            f"        subscribe: {{ allow: {_subject_list(perms.subscribe)} }}",
-        ]
-        if perms.allow_responses is not None:
-            rp = perms.allow_responses
+        members.setdefault(account_of(identity.role, identity.name), []).append(identity)
+    imports: dict[str, list[str]] = {}
+    for account, users in members.items():
+        if account != LEDGER_ACCOUNT:
+            # All of an account's users share one role: the same subjects, by name.
+            wanted = (subject for user in users for subject in user.permissions.publish)
+            imports[account] = list(dict.fromkeys(wanted))
+    lines = ["accounts {", f"  {LEDGER_ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
+    for identity in members.get(LEDGER_ACCOUNT, []):
+        lines += _user_lines(identity)
+    lines += [LEDGER_USERS_END, "    exports: ["]
+    for account, subjects in imports.items():
+        for subject in subjects:
+            streamed = ", response_type: stream" if _is_pull(subject) else ""
             lines.append(
-                f"        allow_responses: {{ max: {rp.max}, expires: {quote(rp.expires)} }}"
+                f"      {{ service: {quote(subject)}, accounts: [{quote(account)}]{streamed} }}"
             )
-        lines += ["      }", "    }"]
-    lines += ["  ]", "}"]
+    lines += ["    ]", "  }"]
+    for account, subjects in imports.items():
+        lines += [f"  {quote(account)} {{", "    users: ["]
+        for identity in members[account]:
+            lines += _user_lines(identity)
+        lines += ["    ]", "    imports: ["]
+        lines += [
+            f"      {{ service: {{ account: {LEDGER_ACCOUNT}, subject: {quote(subject)} }} }}"
+            for subject in subjects
+        ]
+        lines += ["    ]", "  }"]
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
@@ -404,6 +482,8 @@ def write_server_config(
 
 # Which requester may send a request on each request subject the ledger serves.
 _REQUESTER_ROLE = {"propose": Role.HOST, "status": Role.HOST, "lease": Role.EXECUTOR}
+# The reply subject the server gives a request that came through a service import.
+_IMPORTED_REPLY = "_R_"
 
 
 def reply_allowed(request_subject: str, reply: str | None) -> bool:
@@ -416,18 +496,24 @@ def reply_allowed(request_subject: str, reply: str | None) -> bool:
     with the ledger's authority (verified against nats-server 2.15.1 in
     tests/nats/test_permissions.py). The ledger service must therefore answer only
     replies inside the private inbox of the identity the request subject belongs
-    to: `ops.propose.H` / `ops.status.H` -> `_INBOX_host_H.`, `ops.lease.T` ->
-    `_INBOX_exec_T.`. Anything else is dropped (and worth logging).
+    to: `ops.propose.H` / `ops.status.H` -> `_INBOX_host_H.`. A lease request
+    `ops.lease.T` comes from T's own account through its import, and the server
+    has already replaced its reply by a `_R_.` subject that leads back there
+    and nowhere else; no identity in `LEDGER` but the ledger may publish lease
+    requests. Anything else is dropped (and worth logging).
     """
     if not reply:
         return False
     parts = request_subject.split(".")
     if len(parts) != 3 or parts[0] != "ops" or parts[1] not in _REQUESTER_ROLE:
         return False
+    role = _REQUESTER_ROLE[parts[1]]
     try:
-        prefix = inbox_prefix(_REQUESTER_ROLE[parts[1]].value, parts[2]) + "."
+        check_token(parts[2])
+        prefix = _IMPORTED_REPLY if role is Role.EXECUTOR else inbox_prefix(role.value, parts[2])
     except ValueError:
         return False
+    prefix += "."
     rest = reply[len(prefix) :]
     return (
         reply.startswith(prefix)

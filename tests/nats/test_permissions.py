@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import json
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -491,6 +493,107 @@ async def test_permission(nats_env: NatsEnv, case: Case) -> None:
     assert bystanders == [], bystanders
 
 
+async def _messages(ctx: Ctx, stream: str) -> int:
+    return int((await ctx.ledger.js.stream_info(stream)).state.messages)
+
+
+async def _pull_with_reply(ctx: Ctx, stream: str, consumer: str, reply: str) -> None:
+    """Ask `consumer` for one message, to be delivered at `reply` (a raw pull request)."""
+    await ctx.actor.nc.publish(
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+        b'{"batch": 1, "expires": 500000000}',
+        reply=reply,
+    )
+
+
+@dataclass(frozen=True)
+class Trick:
+    """Put something in a stream (`setup`), then try to get it written into `target`."""
+
+    setup: Action
+    act: Callable[[Ctx], Awaitable[None]]
+    target: str
+
+
+WORK_INTO_FEED = Trick(
+    lambda c: _js_publish(c.ledger, Subjects.work(SEARCH), c.nonce),
+    lambda c: _pull_with_reply(c, WORK_STREAM, work_consumer(SEARCH), "ops.feed.x.Injected"),
+    FEED_STREAM,
+)
+PUBACK_INTO_WORK = Trick(
+    lambda c: _js_publish(c.ledger, Subjects.work(SEARCH), c.nonce),  # (only to match)
+    lambda c: c.actor.nc.publish(Subjects.result(SEARCH), c.nonce, reply=Subjects.work(EMAIL)),
+    WORK_STREAM,
+)
+FEED_INTO_WORK = Trick(
+    lambda c: _js_publish(c.ledger, Subjects.feed(SEARCH, "OperationCreated"), c.nonce),
+    lambda c: _pull_with_reply(c, FEED_STREAM, FEED_AUDITOR_CONSUMER, Subjects.work(EMAIL)),
+    WORK_STREAM,
+)
+
+
+@pytest.mark.parametrize(
+    ("role", "name", "trick", "writes"),
+    [
+        (EXEC, SEARCH, WORK_INTO_FEED, False),
+        (EXEC, SEARCH, PUBACK_INTO_WORK, False),
+        (AUDITOR, "auditor", FEED_INTO_WORK, False),
+        # The control: from inside the streams' account the same trick does
+        # write, so the rows above would see a write if one happened.
+        (LEDGER, "ledger", WORK_INTO_FEED, True),
+    ],
+    ids=["exec-work-into-feed", "exec-puback-into-work", "auditor-feed-into-work", "control"],
+)
+async def test_a_reply_subject_cannot_write_into_a_stream(
+    nats_env: NatsEnv, role: Role, name: str, trick: Trick, writes: bool
+) -> None:
+    """The server does not check reply subjects, and JetStream answers at the reply.
+
+    Executors and auditors live in accounts of their own, so whatever reply
+    they name, the answer stays in their account, where no stream listens.
+    Each action is allowed (no violation); what it must not do is write.
+    """
+    with anyio.fail_after(10):
+        async with (
+            nats_env.connect(role, name) as actor,
+            nats_env.connect(Role.LEDGER, "ledger") as ledger,
+        ):
+            ctx = Ctx(nats_env, actor, ledger, uuid.uuid4().hex.encode(), [])
+            assert await trick.setup(ctx)
+            before = await _messages(ctx, trick.target)
+            await trick.act(ctx)
+            await flush_all(actor.nc, CALL_TIMEOUT_S)
+            await asyncio.sleep(QUIET_S)
+            after = await _messages(ctx, trick.target)
+    assert after == before + (1 if writes else 0)
+    assert actor.violations == ledger.violations == []
+
+
+async def test_each_role_lands_in_its_account_and_only_ledger_has_jetstream(
+    nats_env: NatsEnv,
+) -> None:
+    """What the server itself reports about the accounts (its monitoring endpoints)."""
+    expected = {
+        (Role.LEDGER, "ledger"): "LEDGER",
+        (Role.HOST, "h1"): "LEDGER",
+        (Role.EXECUTOR, SEARCH): f"EXEC_{SEARCH}",
+        (Role.EXECUTOR, EMAIL): f"EXEC_{EMAIL}",
+        (Role.AUDITOR, "auditor"): "AUDIT",
+    }
+    monitor = nats_env.server.monitor_url
+    assert monitor is not None
+    async with contextlib.AsyncExitStack() as stack:
+        for role, name in expected:
+            await stack.enter_async_context(nats_env.connect(role, name))
+        connections = json.loads(await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"{monitor}/connz?auth=true", timeout=5).read()))
+    accounts = {conn["name"]: conn["account"] for conn in connections["connections"]}
+    for (role, name), account in expected.items():
+        assert accounts[f"opledger-{role.value}-{name}"] == account
+    jsz = json.loads(urllib.request.urlopen(f"{monitor}/jsz?accounts=true", timeout=5).read())
+    assert [detail["name"] for detail in jsz["account_details"]] == ["LEDGER"]
+
+
 async def test_unknown_key_cannot_connect(nats_env: NatsEnv, tmp_path: Path) -> None:
     """A valid NKey the server was not told about is turned away at connect time."""
     seed = tmp_path / "stranger.nk"
@@ -536,7 +639,12 @@ async def test_reply_subject_is_not_checked_by_the_server(nats_env: NatsEnv) -> 
     [
         ("ops.propose.h1", "_INBOX_host_h1.abc.def", True),
         ("ops.status.h1", "_INBOX_host_h1.abc", True),
-        ("ops.lease.search_documents", "_INBOX_exec_search_documents.x.y", True),
+        ("ops.lease.search_documents", "_R_.46ToQw.U92lZ6", True),
+        ("ops.lease.search_documents", "_INBOX_exec_search_documents.x.y", False),
+        ("ops.lease.search_documents", "_R_", False),
+        ("ops.lease.search_documents", "_R_.abc.>", False),
+        ("ops.lease.search_documents", "ops.exec.send_customer_email", False),
+        ("ops.propose.h1", "_R_.46ToQw.U92lZ6", False),
         ("ops.propose.h1", "_INBOX_host_other.abc", False),
         ("ops.propose.h1", "_INBOX_host_h1", False),
         ("ops.propose.h1", "_INBOX_host_h1.", False),
@@ -552,5 +660,5 @@ async def test_reply_subject_is_not_checked_by_the_server(nats_env: NatsEnv) -> 
     ],
 )
 def test_reply_allowed(subject: str, reply: str | None, allowed: bool) -> None:
-    """Only the requesting identity's own inbox is an acceptable reply subject."""
+    """Only the requesting identity's own inbox, or for a lease its import's reply."""
     assert reply_allowed(subject, reply) is allowed
