@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 import nats
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -175,11 +176,11 @@ class AgentHostClient:
         """Where one of this host's operations stands."""
         request = StatusRequest(operation_id=operation_id).model_dump_json().encode()
         data = await self._request(Subjects.status(self.host), request, attempts)
-        if b'"final"' not in data:
-            reply = ProposeReply.model_validate_json(data)
-            assert reply.error is not None
-            raise RequestRefused(reply.error)
-        return OperationStatus.model_validate_json(data)
+        # The answer is a status, or an error reply (shaped like a propose reply).
+        body = orjson.loads(data)
+        if isinstance(body, dict) and body.get("error") is not None:
+            raise RequestRefused(ErrorInfo.model_validate(body["error"]))
+        return OperationStatus.model_validate(body)
 
     async def outcome(self, operation_id: str, timeout: float = 30.0) -> OperationStatus:
         """Wait until the operation is final and return its status with the result.

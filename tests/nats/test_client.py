@@ -15,9 +15,11 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from ledger.client import AgentHostClient
+from ledger.client import AgentHostClient, RequestRefused
 from ledger.nats import Role
 from schemas import (
+    ErrorCategory,
+    ErrorInfo,
     OperationStatus,
     ProposeReply,
     RuntimeContext,
@@ -50,6 +52,7 @@ class StandIn:
 
     nc: Client
     states: dict[str, OperationStatus] = field(default_factory=dict)
+    errors: dict[str, ErrorInfo] = field(default_factory=dict)
     status_requests: list[str] = field(default_factory=list)
 
     async def on_propose(self, message: Msg) -> None:
@@ -59,6 +62,10 @@ class StandIn:
     async def on_status(self, message: Msg) -> None:
         operation_id = StatusRequest.model_validate_json(message.data).operation_id
         self.status_requests.append(operation_id)
+        if operation_id in self.errors:  # answered as the service does: an error reply
+            refusal = ProposeReply(error=self.errors[operation_id])
+            await self.nc.publish(message.reply, refusal.model_dump_json().encode())
+            return
         status = self.states.get(operation_id, _status(operation_id, "ready", False))
         await self.nc.publish(message.reply, status.model_dump_json().encode())
 
@@ -132,3 +139,17 @@ async def test_an_operation_it_did_not_propose_is_asked_for_first(nats_env: Nats
         status = await client.outcome("op-old", timeout=5)
         assert status.final
         assert stand_in.status_requests == ["op-old"]
+
+
+async def test_an_error_answer_to_status_is_raised_whatever_its_text(nats_env: NatsEnv) -> None:
+    """Told apart from a status by its `error`, not by the keys somewhere in it."""
+    async with _parties(nats_env) as (stand_in, client):
+        stand_in.errors["op-err"] = ErrorInfo(
+            code="OPERATION_NOT_FOUND", category=ErrorCategory.NOT_FOUND,
+            message="no such operation", safe_details={"final": False},
+        )
+        with pytest.raises(RequestRefused) as refused:
+            await client.status("op-err")
+        assert refused.value.code == "OPERATION_NOT_FOUND"
+        stand_in.states["op-ok"] = _status("op-ok", "succeeded", True)
+        assert (await client.status("op-ok")).final
