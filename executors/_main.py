@@ -16,6 +16,7 @@ import asyncio
 import gc
 import importlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -119,8 +120,8 @@ def _positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds: {text!r}")
+    if not 0 < value < math.inf:  # also refuses NaN and infinity (never an ack)
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {text!r}")
     return value
 
 

@@ -124,7 +124,7 @@ class ApprovalPolicy(_Frozen):
                 raise ValueError("two_person_from must not be below risk_threshold")
         return self
 
-    def required_approvals(self, risk: RiskLevel) -> int:
+    def approvals_for(self, risk: RiskLevel) -> int:
         """How many distinct approvers a call of this risk needs, when it needs any."""
         if self.mode is ApprovalMode.TWO_PERSON:
             return 2

@@ -76,6 +76,7 @@ __all__ = [
     "new_user_seed",
     "permissions_for",
     "reply_allowed",
+    "user_entry",
     "write_server_config",
 ]
 
@@ -148,8 +149,9 @@ def permissions_for(role: Role, name: str) -> Permissions:
                 "$JS.ACK.>",
             ),
             subscribe=("ops.propose.*", "ops.status.*", "ops.lease.*", inbox),
-            # Replies to proposals, status and lease requests go to the requester's
-            # private inbox, which the ledger may otherwise not publish to.
+            # Replies to proposals and status requests go to the host's private
+            # inbox, replies to lease requests to the `_R_.` subject of the
+            # executor's import; the ledger may otherwise publish to neither.
             allow_responses=ResponsePermission(),
         )
     if role is Role.HOST:
@@ -256,14 +258,18 @@ def _write_private(path: Path, data: bytes) -> None:
 
 @dataclass(frozen=True)
 class CredentialSet:
-    """Every identity of one deployment, and the server's authorization block for them."""
+    """Every identity of one deployment, and the server's `accounts` block for them."""
 
     directory: Path
     identities: tuple[Identity, ...]
 
     @property
     def authorization_config(self) -> str:
-        """The `accounts { ... }` block for the server's config file (`authorization_config`)."""
+        """The `accounts { ... }` block for the server's config file (`authorization_config`).
+
+        Named for what it is for: since executors and auditors got accounts of
+        their own, the users are no longer a plain `authorization` block.
+        """
         return authorization_config(self.identities)
 
     def get(self, role: Role, name: str) -> Identity:
@@ -381,6 +387,11 @@ def account_of(role: Role, name: str) -> str:
     return LEDGER_ACCOUNT
 
 
+def user_entry(identity: Identity) -> str:
+    """One NKey user with its permissions, as an entry of an account's `users` list."""
+    return "\n".join(_user_lines(identity)) + "\n"
+
+
 def _user_lines(identity: Identity) -> list[str]:
     perms = identity.permissions
     lines = [
@@ -405,7 +416,8 @@ def _is_pull(subject: str) -> bool:
 
 
 LEDGER_USERS_END = "    ]  # end of LEDGER users"
-"""The line that closes the `LEDGER` account's user list (a place to add one)."""
+"""The line that closes the `LEDGER` account's user list: where the bench and the
+permission tests add a user of their own, so they need no second renderer."""
 
 
 def authorization_config(identities: Iterable[Identity]) -> str:

@@ -32,7 +32,7 @@ def approval_requirement(
         reason = "this tool needs two distinct approvers"
     else:
         reason = "this tool always needs approval"
-    required = policy.required_approvals(risk)
+    required = policy.approvals_for(risk)
     if required == 2 and policy.two_person_from is not None:
         reason += (
             f"; risk {risk.value} reaches the two-person threshold {policy.two_person_from.value}"

@@ -26,6 +26,7 @@ from ledger.nats import (
     declare_topology,
     generate_credentials,
 )
+from ledger.nats.security import LEDGER_USERS_END, user_entry
 
 TOOLS = ("search_documents", "send_customer_email")
 HOSTS = ("h1", "other")
@@ -71,15 +72,20 @@ class NatsEnv:
 
     server: NatsServer
     credentials: CredentialSet
+    legacy: CredentialSet
+    """Test-only twins of an executor and an auditor, with the same permissions, in
+    `LEDGER`: the single-account layout, kept to show what the accounts prevent."""
 
     def identity(self, role: Role, name: str) -> Identity:
         """The identity `name` of `role`."""
         return self.credentials.get(role, name)
 
     @asynccontextmanager
-    async def connect(self, role: Role, name: str) -> AsyncIterator[Probe]:
+    async def connect(
+        self, role: Role, name: str, *, legacy: bool = False
+    ) -> AsyncIterator[Probe]:
         """A connection as `role`/`name`, exactly as production code connects."""
-        identity = self.identity(role, name)
+        identity = (self.legacy if legacy else self.credentials).get(role, name)
         errors: list[Exception] = []
 
         async def on_error(exc: Exception) -> None:
@@ -118,7 +124,10 @@ def nats_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsEnv]:
     credentials = generate_credentials(
         base / "creds", hosts=HOSTS, tools=TOOLS, auditors=AUDITORS
     )
-    with NatsServer(base / "server", authorization=credentials.authorization_config) as server:
+    legacy = generate_credentials(base / "legacy", hosts=(), tools=TOOLS[:1], auditors=AUDITORS)
+    twins = "".join(user_entry(i) for i in legacy.identities if i.role is not Role.LEDGER)
+    head, end, tail = credentials.authorization_config.partition(LEDGER_USERS_END)
+    with NatsServer(base / "server", authorization=head + twins + end + tail) as server:
         # Declared as the ledger identity: this also proves the ledger may do it.
         asyncio.run(_declare(server.url, credentials.ledger))
-        yield NatsEnv(server, credentials)
+        yield NatsEnv(server, credentials, legacy)
