@@ -375,6 +375,17 @@ class OperationsProjector:
         )
         return [str(row[0]) for row in rows]
 
+    def ready_since_before(self, moment: datetime) -> list[tuple[str, str, str | None, int]]:
+        """Ready operations unchanged since before `moment`: (ID, tool, version, attempts)."""
+        rows = self._db.query(
+            "SELECT operation_id, tool, tool_version, attempts FROM opledger_operations"
+            " WHERE state = 'ready' AND updated_at <= ? ORDER BY updated_at",
+            (_iso(moment),),
+        )
+        return [
+            (str(r[0]), str(r[1]), None if r[2] is None else str(r[2]), int(r[3])) for r in rows
+        ]
+
     def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
         """Accepted operations of `actor` for `tool` since `since` (for budgets).
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from ledger.domain.states import ResultDisposition
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
+from ledger.server.redispatch import Redispatcher
 from ledger.server.relay import Relay
 from ledger.server.requests import RequestServer
 from ledger.service import Ledger
@@ -73,6 +74,9 @@ class ServiceOptions:
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port."""
     metrics_addr: str = "127.0.0.1"
+    redispatch_after: timedelta | None = timedelta(seconds=60)
+    """How long an operation may stay ready with its tool's queue empty before its work
+    item is published again (`ledger.server.redispatch`); None: never."""
 
 
 def _broker_options(connect_options: dict[str, Any]) -> dict[str, Any]:
@@ -118,6 +122,7 @@ class LedgerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._results: PullConsumer | None = None
         self._requests: RequestServer | None = None
+        self._redispatcher: Redispatcher | None = None
 
     async def _on_reconnected(self) -> None:
         # The server dropped the results consumer's open pull requests.
@@ -257,6 +262,8 @@ class LedgerService:
                 await self._gateway.call(self.ledger.expire_approvals)
                 await self._gateway.call(self.ledger.expire_leases)
                 self._gateway.written.set()
+                if self._redispatcher is not None:
+                    await self._redispatcher.sweep()
             except Exception:
                 _log.exception("sweep failed")
 
@@ -277,6 +284,8 @@ class LedgerService:
         self.metrics = metrics
         self.relay = Relay(self.gateway, nc, metrics=metrics)
         self.relay.start()
+        if self.options.redispatch_after is not None:
+            self._redispatcher = Redispatcher(self.ledger, js, after=self.options.redispatch_after)
         await self.broker.start()
         await self._serve_requests(nc)
         loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ import asyncio
 import gc
 import importlib
 import logging
+import math
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -61,11 +62,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ack-wait", type=float, default=30.0, help="work item ack wait, s")
     parser.add_argument("--max-deliver", type=int, default=10)
     parser.add_argument("--lease-grace", type=float, default=5.0, help="seconds")
+    parser.add_argument(
+        "--redispatch-after",
+        type=_seconds,
+        default=60.0,
+        help=(
+            "seconds an operation may stay ready while its tool's work queue is empty before"
+            " its work item is published again (a lost item); 0: never"
+        ),
+    )
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here")
     parser.add_argument("--metrics-addr", default="127.0.0.1")
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < math.inf:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds: {text!r}")
+    return value
 
 
 def _fill_from_settings(args: argparse.Namespace) -> None:
@@ -173,6 +193,9 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             allowed_tenants=args.host_tenants,
+            redispatch_after=(
+                timedelta(seconds=args.redispatch_after) if args.redispatch_after > 0 else None
+            ),
         ),
     )
     try:

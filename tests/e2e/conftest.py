@@ -27,6 +27,7 @@ SAMPLE_TOOLS = {
 HOSTS = ("h1", "h2")
 ACK_WAIT_S = 2.0
 LEASE_GRACE_S = 1.0
+REDISPATCH_AFTER_S = 2.0
 
 
 @pytest.fixture
@@ -137,6 +138,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
             "--tools", ",".join(sorted(SAMPLE_TOOLS)),
             "--ack-wait", str(ACK_WAIT_S),
             "--lease-grace", str(LEASE_GRACE_S),
+            "--redispatch-after", str(REDISPATCH_AFTER_S),
         ],
         stdout=service_log,
         stderr=subprocess.STDOUT,

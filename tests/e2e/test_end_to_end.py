@@ -33,7 +33,7 @@ from schemas import (
     ToolProposal,
     work_consumer,
 )
-from tests.e2e.conftest import ACK_WAIT_S, Stack
+from tests.e2e.conftest import ACK_WAIT_S, REDISPATCH_AFTER_S, Stack
 from tests.e2e.slow_tool import SLOW_S
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -245,6 +245,31 @@ async def test_work_longer_than_the_ack_wait_is_not_redelivered_while_it_runs(
     assert (info.delivered.consumer_seq > 1) is redelivered, info.delivered
     history = [type(e).__name__ for e in stack.ledger().history("op-slow")]
     assert history.count("LeaseClaimed") == 1  # a redelivery while it runs finds the lease busy
+
+
+async def test_a_lost_work_item_is_published_again_and_a_queued_one_is_not(
+    stack: Stack,
+) -> None:
+    """No executor at first: the item waits in the queue and is not copied; then it is lost."""
+    host = await _host(stack)
+    ledger_nc = await connect_as(stack.server.url, stack.credentials.ledger)
+    js = ledger_nc.jetstream()
+    subject = Subjects.work("search_documents")
+    try:
+        await host.propose(_proposal("search_documents", {"query": "refunds"}, "op-lost"), ALICE)
+        await asyncio.sleep(2 * REDISPATCH_AFTER_S + 1)  # sweeps ran after the threshold
+        info = await js.stream_info(WORK_STREAM, subjects_filter=subject)
+        assert (info.state.subjects or {}).get(subject) == 1  # queued: no copy
+        await js.purge_stream(WORK_STREAM, subject=subject)  # lost
+        stack.start_executor("search_documents")
+        status = await host.outcome("op-lost", timeout=30)
+    finally:
+        await ledger_nc.close()
+        await host.close()
+    assert status.state == "succeeded", stack.log("service.log")
+    assert "published again: op-lost" in stack.log("service.log")
+    history = [type(e).__name__ for e in stack.ledger().history("op-lost")]
+    assert history.count("LeaseClaimed") == 1
 
 
 async def test_an_auditor_reads_every_event_from_the_feed_as_the_ledger_stored_it(

@@ -187,6 +187,19 @@ def test_a_view_without_lease_expiries_gets_the_column_and_still_sweeps(
     assert second.expire_leases() == ["op-1"]
 
 
+def test_the_view_names_operations_left_ready(ledger: Ledger) -> None:
+    ledger.submit(search("s-ready"), ALICE)
+    ledger.submit(search("s-claimed"), ALICE)
+    ledger.claim("s-claimed", executor="exec-1")
+    ledger.refresh()
+    now = datetime.now(UTC)
+    version = ledger.get("s-ready").tool_version
+    assert ledger.projector.ready_since_before(now + timedelta(seconds=1)) == [
+        ("s-ready", "search_documents", version, 0)
+    ]
+    assert ledger.projector.ready_since_before(now - timedelta(hours=1)) == []
+
+
 def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
     ledger.submit(search("op-1"), ALICE)
     first = ledger.claim("op-1", executor="exec-1")
