@@ -47,6 +47,7 @@ from schemas._subjects import (
     check_token,
     inbox_prefix,
     work_consumer,
+    work_message_id,
 )
 
 __all__ = [
@@ -92,5 +93,6 @@ __all__ = [
     "render_schema",
     "sha256_hex",
     "work_consumer",
+    "work_message_id",
     "write_schemas",
 ]

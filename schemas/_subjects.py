@@ -20,6 +20,7 @@ __all__ = [
     "check_token",
     "inbox_prefix",
     "work_consumer",
+    "work_message_id",
 ]
 
 TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
@@ -48,6 +49,11 @@ def check_token(value: str) -> str:
 def work_consumer(tool: str) -> str:
     """The durable pull consumer of one tool's work."""
     return f"exec_{check_token(tool)}"
+
+
+def work_message_id(operation_id: str, attempt: int) -> str:
+    """The `Nats-Msg-Id` of one attempt's work item: one item per attempt, deduplicated."""
+    return f"{operation_id}:attempt-{attempt}"
 
 
 def inbox_prefix(role: str, name: str) -> str:

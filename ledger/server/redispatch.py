@@ -24,7 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from ledger.service import Ledger
-from schemas import WORK_STREAM, Subjects, WorkItem, work_consumer
+from schemas import WORK_STREAM, Subjects, WorkItem, work_consumer, work_message_id
 
 __all__ = ["Redispatcher"]
 
@@ -74,10 +74,12 @@ class Redispatcher:
                 item = WorkItem(
                     operation_id=operation_id, tool=tool, tool_version=version, attempt=attempt
                 )
+                # Not the relay's ID: that one may still be in the duplicate window.
+                again = f"{work_message_id(operation_id, attempt)}:again-{period}"
                 await self._js.publish(
                     Subjects.work(tool),
                     item.model_dump_json().encode(),
-                    headers={"Nats-Msg-Id": f"{operation_id}:attempt-{attempt}:again-{period}"},
+                    headers={"Nats-Msg-Id": again},
                 )
                 published.append(operation_id)
         if published:

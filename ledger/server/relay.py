@@ -41,7 +41,7 @@ from ledger.audit.verify import StoredRow
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.service import FINAL_STATES, Ledger
-from schemas import Subjects, WorkItem
+from schemas import Subjects, WorkItem, work_message_id
 
 __all__ = ["Relay"]
 
@@ -314,7 +314,7 @@ class Relay:
                     Subjects.work(tool),
                     item.model_dump_json().encode(),
                     # One dispatch event per attempt, so one work item per attempt.
-                    f"{operation_id}:attempt-{attempt}",
+                    work_message_id(operation_id, attempt),
                 )
             )
         if kind in _SETTLING and host:
