@@ -70,6 +70,8 @@ class StackInfo:
     pids: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, str] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
+    nats_monitor: str | None = None
+    """nats-server's HTTP monitoring URL, if the stack was started with the monitor on."""
 
 
 def _alive(pid: int) -> bool:
@@ -109,7 +111,13 @@ def _clean_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
 
 
 class EmbeddedStack:
-    """Start, watch and stop the embedded default."""
+    """Start, watch and stop the embedded default.
+
+    `monitor` turns on nats-server's HTTP monitoring endpoints, on 127.0.0.1
+    only. Off by default: they answer without credentials, and `/connz` lists
+    every connection's NKey and subscriptions, `/jsz` every stream, to any
+    local user. Readiness is then asked over the client port, as the ledger.
+    """
 
     def __init__(
         self,
@@ -120,6 +128,7 @@ class EmbeddedStack:
         ack_wait_s: float = 10.0,
         lease_grace_s: float = 2.0,
         metrics: bool = True,
+        monitor: bool = False,
         extra_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.home = home.resolve()
@@ -128,6 +137,7 @@ class EmbeddedStack:
         self.ack_wait_s = ack_wait_s
         self.lease_grace_s = lease_grace_s
         self.metrics = metrics
+        self.monitor = monitor
         self.extra_env = {k: dict(v) for k, v in (extra_env or {}).items()}
         self.server: NatsServer | None = None
         self.credentials: CredentialSet | None = None
@@ -249,15 +259,27 @@ class EmbeddedStack:
             argv += ["--metrics-port", str(self.metric_ports[name]), "--metrics-addr", "127.0.0.1"]
         return self._spawn(name, argv, _clean_env({**self.extra_env.get(tool, {}), **env}))
 
-    def start(self, timeout_s: float = 30.0) -> StackInfo:
-        """Start everything and wait until the ledger answers."""
+    def start_nats(self) -> NatsServer:
+        """Generate (or reuse) the credentials and start nats-server, as `start` does.
+
+        Ready once JetStream answers the ledger's identity (or `/healthz`, with
+        the monitor on).
+        """
         self.home.mkdir(parents=True, exist_ok=True)
         self.credentials = self._credentials()
         self.server = NatsServer(
-            self.home / "nats", authorization=self.credentials.authorization_config
+            self.home / "nats",
+            authorization=self.credentials.authorization_config,
+            monitor=self.monitor,
+            probe_identity=self.credentials.ledger,
         )
+        self.server.start()
+        return self.server
+
+    def start(self, timeout_s: float = 30.0) -> StackInfo:
+        """Start everything and wait until the ledger answers."""
         try:
-            self.server.start()
+            self.start_nats()
             self.start_service()
             self._wait_for_ledger(timeout_s)
             for tool in sorted(self.executors):
@@ -284,6 +306,7 @@ class EmbeddedStack:
                 n: f"http://127.0.0.1:{port}/metrics" for n, port in self.metric_ports.items()
             },
             logs={name: str(self.log_path(name)) for name in self.processes},
+            nats_monitor=self.server.monitor_url,
         )
 
     def _check_alive(self) -> None:
@@ -351,6 +374,10 @@ class EmbeddedStack:
         lines = [
             f"opledger is running from {info.home}",
             f"  NATS        {info.nats_url}",
+        ]
+        if info.nats_monitor is not None:
+            lines.append(f"  NATS monitor {info.nats_monitor} (answers without credentials)")
+        lines += [
             f"  ledger      sqlite:{info.database}",
             f"  credentials {info.creds_dir}",
         ]

@@ -82,12 +82,18 @@ def _up(argv: Sequence[str]) -> int:
         " the SQLite ledger service and one executor process per sample tool.",
     )
     parser.add_argument("--home", type=Path, help="state directory (default: ./.opledger)")
+    parser.add_argument(
+        "--monitor",
+        action="store_true",
+        help="also run nats-server's HTTP monitoring endpoints, on 127.0.0.1 (they need no"
+        " credentials and list every connection's key and subscriptions)",
+    )
     args = parser.parse_args(argv)
     home = args.home or Settings().home
     if running_stack(home) is not None:
         print(f"error: a stack is already running from {home}", file=sys.stderr)
         return 2
-    stack = EmbeddedStack(home)
+    stack = EmbeddedStack(home, monitor=args.monitor)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

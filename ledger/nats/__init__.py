@@ -8,6 +8,7 @@ Public surface:
   one NKey per identity, and exactly the subjects each role may use.
 - `connect_as`, `flush_all`: connect as an identity; a flush that orders after prior commands.
 - `declare_topology`: the streams and durable pull consumers (ledger identity only).
+- `read_feed`, `FeedMessage`: read the whole feed by sequence (auditor identity).
 - The errors, all `schemas.OpledgerError`s.
 """
 
@@ -15,11 +16,15 @@ from ledger.nats._conf import ClusterOptions
 from ledger.nats.client import connect_as, flush_all
 from ledger.nats.errors import (
     CredentialsError,
+    FeedAccessDenied,
+    FeedReadError,
+    FeedReadTimeout,
     NatsServerNotFound,
     NatsServerStartError,
     NatsSetupError,
     TopologyError,
 )
+from ledger.nats.feed_reader import FeedMessage, read_feed
 from ledger.nats.security import (
     CredentialSet,
     Identity,
@@ -42,6 +47,10 @@ __all__ = [
     "CredentialSet",
     "CredentialsError",
     "DeclaredTopology",
+    "FeedAccessDenied",
+    "FeedMessage",
+    "FeedReadError",
+    "FeedReadTimeout",
     "Identity",
     "NatsServer",
     "NatsServerNotFound",
@@ -61,6 +70,7 @@ __all__ = [
     "generate_credentials",
     "load_credentials",
     "permissions_for",
+    "read_feed",
     "reply_allowed",
     "write_server_config",
 ]

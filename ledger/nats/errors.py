@@ -1,4 +1,5 @@
-"""Errors of the NATS layer: a missing or failing server, bad credentials, a topology clash.
+"""Errors of the NATS layer: a missing or failing server, bad credentials, a topology clash,
+a feed that cannot be read.
 
 All are `OpledgerError`s, so entry points report them as an `ErrorEnvelope`
 with a stable code instead of a stack trace.
@@ -10,6 +11,9 @@ from schemas import ErrorCategory, OpledgerError
 
 __all__ = [
     "CredentialsError",
+    "FeedAccessDenied",
+    "FeedReadError",
+    "FeedReadTimeout",
     "NatsServerNotFound",
     "NatsServerStartError",
     "NatsSetupError",
@@ -50,3 +54,30 @@ class TopologyError(NatsSetupError):
 
     category = ErrorCategory.CONFLICT
     code = "NATS_TOPOLOGY_CONFLICT"
+
+
+class FeedReadError(OpledgerError):
+    """Reading `OPS_FEED` by sequence failed: an error answer, or an answer that does not add up.
+
+    Not a `NatsSetupError`: it happens while reading, to an auditor. The
+    subclasses say whether waiting longer (`FeedReadTimeout`) or other
+    credentials (`FeedAccessDenied`) could help.
+    """
+
+    category = ErrorCategory.INTERNAL
+    code = "NATS_FEED_READ_FAILED"
+
+
+class FeedReadTimeout(FeedReadError):
+    """The server did not answer within the timeout (down, partitioned, or overloaded)."""
+
+    category = ErrorCategory.TRANSIENT
+    code = "NATS_FEED_READ_TIMEOUT"
+    retryable = True
+
+
+class FeedAccessDenied(FeedReadError):
+    """The server refused a request of the read: the identity may not read the feed so."""
+
+    category = ErrorCategory.UNAUTHORIZED
+    code = "NATS_FEED_ACCESS_DENIED"

@@ -7,7 +7,8 @@ Four roles talk over NATS, and each gets exactly the subjects its job needs
 - an agent host (`host`): proposes and asks for status under its own name only;
 - the executors of one tool (`exec`): fetch and acknowledge that tool's work,
   ask for leases and publish results for that tool only;
-- an auditor (`auditor`): reads the feed through its consumer, publishes nothing.
+- an auditor (`auditor`): reads the feed through its consumer and by sequence
+  (direct gets), publishes nothing else.
 
 Nobody may subscribe to `_INBOX.>` (it would receive everyone's replies): every
 identity has a private inbox prefix (`schemas.inbox_prefix`) that its client
@@ -29,12 +30,62 @@ their users may publish, as services: the server then replaces every reply
 subject by a private one that leads back into the importing account, where
 no stream listens. JetStream is enabled in `LEDGER` only.
 
+Acknowledgement subjects need pinning to the last token. A consumer listens
+for acks on two patterns (nats-server `consumer.go`, where it sets `ackSubjOld`
+and `ackSubj`), in the streams' account:
+
+- v1: `$JS.ACK.<stream>.<consumer>.*.*.*.*.*`, exactly 9 tokens;
+- v2: `$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.*.*.*.*.>`, 11 or
+  more, where the domain is `_` without a JetStream domain (we configure none)
+  and the hash is `getHash(<account>)` (`account_hash`).
+
+The five free tokens are the delivery count, stream and consumer sequence,
+timestamp and pending count. The server sends v1 ack replies unless the
+feature flag `js_ack_fc_v2` is on; v2 replies have exactly 11 tokens (the
+reply template has five numbers; the trailing `>` of the subscription is only
+room for a later extension). An ack subject that reaches a consumer is a
+command to it: `+NXT` on it is a pull request served to the reply subject, so
+a grant that matched another consumer's route would let a role read, hold and
+redeliver that consumer's messages. The old grant `$JS.ACK.*.*.OPS_WORK.exec_<tool>.>`
+did exactly that: `$JS.ACK.OPS_FEED.feed_auditor.OPS_WORK.exec_<tool>.1.1.1` is
+a v1 route of `feed_auditor`.
+
+So each role gets exactly two ack subjects, for its own consumer, with every
+token literal but the five numbers (`_ack_subjects`):
+
+- `$JS.ACK.<stream>.<consumer>.*.*.*.*.*`: exactly 9 tokens, so it matches no
+  v2 route (at least 11); a v1 route has the stream in token 3 and the consumer
+  in token 4, both literal here, so the only v1 route it matches is our own.
+- `$JS.ACK._.<hash of LEDGER>.<stream>.<consumer>.*.*.*.*.*`: exactly 11 tokens,
+  so it matches no v1 route (exactly 9); a v2 route has domain, account hash,
+  stream and consumer in tokens 3 to 6, all literal here, so the only v2 route
+  it matches is our own. No 12-token form is granted: the server sends none.
+
+Stream and consumer names cannot contain `.`, `*` or `>`, so no name can shift
+a token into another position, and a published subject is literal: a `*` in
+it is an ordinary token, not a wildcard. The accounts import exactly these
+subjects, so an import cannot widen them either. Should a server one day send
+acks in a form not granted (a JetStream domain, a 12th token), acks are
+refused with a permissions violation and redelivered: it fails closed, and
+`tests/nats/test_ack_routes.py` checks the forms against the bundled server.
+
+No role may publish `$JS.FC.` (flow control, for push consumers; ours are
+pull consumers), and every other JetStream subject granted, but the ledger's
+administrator wildcards, is literal:
+`$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>` is the one subject that
+consumer's pull subscription listens on, and the auditor's
+`$JS.API.DIRECT.GET.OPS_FEED` is the one subject the feed stream's direct
+get listens on (the per-subject form, `$JS.API.DIRECT.GET.OPS_FEED.<subject>`,
+is another subject and not granted).
+
 The server stores only the public keys (`U...`); each process keeps its seed
 file (mode 0600) and signs the server's nonce with it.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import tempfile
@@ -60,6 +111,7 @@ from schemas import (
 
 __all__ = [
     "AUDIT_ACCOUNT",
+    "JS_DOMAIN_TOKEN",
     "LEDGER_ACCOUNT",
     "LEDGER_USERS_END",
     "MANIFEST_NAME",
@@ -68,12 +120,14 @@ __all__ = [
     "Permissions",
     "ResponsePermission",
     "Role",
+    "account_hash",
     "account_of",
     "authorization_config",
     "connect_options",
     "generate_credentials",
     "load_credentials",
     "new_user_seed",
+    "nonce_signature",
     "permissions_for",
     "reply_allowed",
     "user_entry",
@@ -115,20 +169,56 @@ class Permissions:
     allow_responses: ResponsePermission | None = None
 
 
-def _ack_subjects(stream: str, consumer: str) -> tuple[str, str]:
-    """Both forms of a consumer's ack subjects.
+LEDGER_ACCOUNT = "LEDGER"
+"""The account of the streams, the ledger service and the agent hosts."""
+AUDIT_ACCOUNT = "AUDIT"
+"""The account of the auditors."""
 
-    The classic form is `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`;
-    the newer one puts a domain and an account hash first
-    (`$JS.ACK.<domain>.<acchash>.<stream>.<consumer>. ...`). A server picks one; we grant
-    both so an upgrade of the server does not silently stop acknowledgements.
+JS_DOMAIN_TOKEN = "_"
+"""The domain token of v2 ack subjects on a server without a JetStream domain (ours)."""
+
+# nats-server's `digits` and `base` (accounts.go), which `getHashSize` maps bytes to.
+_HASH_DIGITS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_HASH_LEN = 8  # `sysHashLen` (events.go)
+# One `*` per number of an ack subject: delivery count, stream sequence,
+# consumer sequence, timestamp, pending count.
+_ACK_NUMBERS = ".*.*.*.*.*"
+
+
+def account_hash(account: str) -> str:
+    """nats-server's `getHash(account)`: the account token of v2 ack subjects.
+
+    The first 8 bytes of SHA-256 of the name, each mapped to one of 62
+    alphanumerics by its value modulo 62 (`getHashSize` in server/events.go).
     """
-    return f"$JS.ACK.{stream}.{consumer}.>", f"$JS.ACK.*.*.{stream}.{consumer}.>"
+    digest = hashlib.sha256(account.encode()).digest()
+    return "".join(_HASH_DIGITS[byte % len(_HASH_DIGITS)] for byte in digest[:_HASH_LEN])
+
+
+def _ack_subjects(stream: str, consumer: str) -> tuple[str, str]:
+    """Both forms of one consumer's ack subjects, every token but the numbers literal.
+
+    v1: `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`, 9 tokens;
+    v2: `$JS.ACK._.<hash of LEDGER>.<stream>.<consumer>.` and the same five, 11 tokens.
+    A server sends one of them (v1 unless `js_ack_fc_v2` is on); both are granted so
+    that switching the flag does not stop acknowledgements. Why neither can reach
+    another consumer: see the module docstring.
+    """
+    return (
+        f"$JS.ACK.{stream}.{consumer}{_ACK_NUMBERS}",
+        f"$JS.ACK.{JS_DOMAIN_TOKEN}.{account_hash(LEDGER_ACCOUNT)}.{stream}.{consumer}"
+        f"{_ACK_NUMBERS}",
+    )
 
 
 def _next_subject(stream: str, consumer: str) -> str:
     """The subject a pull client publishes to, to fetch from one existing consumer."""
     return f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+
+
+def _direct_get_subject(stream: str) -> str:
+    """Where a stream with `allow_direct` answers reads by sequence (one message or a batch)."""
+    return f"$JS.API.DIRECT.GET.{stream}"
 
 
 def permissions_for(role: Role, name: str) -> Permissions:
@@ -179,6 +269,12 @@ def permissions_for(role: Role, name: str) -> Permissions:
             publish=(
                 _next_subject(FEED_STREAM, FEED_AUDITOR_CONSUMER),
                 *_ack_subjects(FEED_STREAM, FEED_AUDITOR_CONSUMER),
+                # Reading the whole feed by sequence (`ledger.nats.feed_reader`):
+                # the durable consumer cannot go back to what was acked. No
+                # `$JS.API.STREAM.INFO.OPS_FEED`: through an import, the JetStream
+                # API answers for the requester's own account, which has none; a
+                # direct get of the last message gives the last sequence instead.
+                _direct_get_subject(FEED_STREAM),
             ),
             subscribe=(inbox,),
         )
@@ -225,6 +321,24 @@ def _public_key(seed: bytes) -> str:
     finally:
         # Best effort, as nats-py does: do not leave the private key around.
         keypair.wipe()
+
+
+def nonce_signature(identity: Identity, nonce: bytes) -> str:
+    """The `sig` of a NATS `CONNECT` as `identity`: the server's nonce signed with its seed.
+
+    Base64 (URL-safe, unpadded), as nats-server decodes it. For clients that speak
+    the protocol themselves (the supervisor's readiness probe); nats-py signs on
+    its own from `connect_options`.
+    """
+    try:
+        keypair = nkeys.from_seed(bytearray(_read_seed(identity.seed_path)))
+    except nkeys.NkeysError as exc:
+        raise CredentialsError(f"not a valid NKey seed ({type(exc).__name__})") from exc
+    try:
+        signed = bytes(keypair.sign(nonce))
+    finally:
+        keypair.wipe()
+    return base64.urlsafe_b64encode(signed).decode().rstrip("=")
 
 
 def _read_seed(path: Path) -> bytes:
@@ -372,12 +486,6 @@ def _subject_list(subjects: Sequence[str]) -> str:
     return "[" + ", ".join(quote(s) for s in subjects) + "]"
 
 
-LEDGER_ACCOUNT = "LEDGER"
-"""The account of the streams, the ledger service and the agent hosts."""
-AUDIT_ACCOUNT = "AUDIT"
-"""The account of the auditors."""
-
-
 def account_of(role: Role, name: str) -> str:
     """The NATS account identity `name` of `role` belongs to (see the module docstring)."""
     if role is Role.EXECUTOR:
@@ -410,9 +518,10 @@ def _user_lines(identity: Identity) -> list[str]:
     return [*lines, "        }", "      }"]
 
 
-def _is_pull(subject: str) -> bool:
-    # A pull request is answered by many messages over its lifetime, not one.
-    return subject.startswith("$JS.API.CONSUMER.MSG.NEXT.")
+def _is_streamed(subject: str) -> bool:
+    # A pull request is answered by many messages over its lifetime, and a batched
+    # direct get by the batch and an end-of-batch status: not by one reply.
+    return subject.startswith(("$JS.API.CONSUMER.MSG.NEXT.", "$JS.API.DIRECT.GET."))
 
 
 LEDGER_USERS_END = "    ]  # end of LEDGER users"
@@ -442,7 +551,7 @@ def authorization_config(identities: Iterable[Identity]) -> str:
     lines += [LEDGER_USERS_END, "    exports: ["]
     for account, subjects in imports.items():
         for subject in subjects:
-            streamed = ", response_type: stream" if _is_pull(subject) else ""
+            streamed = ", response_type: stream" if _is_streamed(subject) else ""
             lines.append(
                 f"      {{ service: {quote(subject)}, accounts: [{quote(account)}]{streamed} }}"
             )

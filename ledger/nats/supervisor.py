@@ -2,8 +2,17 @@
 
 `NatsServer` writes a config file into its own working directory, starts the
 `nats-server` binary on free loopback ports, waits until it is really ready
-(the client port answers with *our* server's name, and `/healthz` reports
-JetStream ready), and stops it without leaving a process behind.
+(the client port answers with *our* server's name, and JetStream answers),
+and stops it without leaving a process behind.
+
+Readiness comes from one of two places. With the HTTP monitor on, `/healthz`
+(JetStream ready and, in a cluster, a meta leader known). Without it, a
+JetStream request over the client port: `$JS.API.INFO`, sent as the identity
+given as `probe_identity` (the ledger's: it may publish `$JS.API.>`), or
+anonymously on a server without users. The monitor answers anyone who can
+reach its port, and `/connz` lists every connection's NKey and subscriptions,
+`/jsz` every stream and consumer: so it is opt-in where it matters
+(`EmbeddedStack(monitor=True)`), and always on 127.0.0.1 here.
 
 Never a fixed port: the machine may run its own NATS on 4222, and parallel
 test runs each need their own server.
@@ -24,12 +33,14 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
 from ledger.nats._conf import ClusterOptions, ServerSettings, render_server_config
-from ledger.nats.errors import NatsServerNotFound, NatsServerStartError
+from ledger.nats.errors import CredentialsError, NatsServerNotFound, NatsServerStartError
+from ledger.nats.security import Identity, nonce_signature
 
 __all__ = ["ClusterOptions", "NatsServer", "find_nats_server", "free_port"]
 
@@ -37,6 +48,8 @@ _BINARY = "nats-server.exe" if os.name == "nt" else "nats-server"
 _BIND_ATTEMPTS = 5
 _LOG_TAIL_LINES = 25
 _STOP_GRACE_S = 5.0
+_PROBE_IO_TIMEOUT_S = 0.5
+_MAX_LINE = 1 << 20  # an INFO line, or an API answer: far below this
 
 
 def find_nats_server(explicit: str | Path | None = None) -> Path:
@@ -101,6 +114,14 @@ class NatsServer:
     `ClusterOptions` with pre-picked cluster ports, start them all, then call
     `wait_healthy()` on each: a node reports healthy only once a JetStream meta
     leader is elected, which needs a quorum of nodes.
+
+    `monitor` turns on the HTTP monitoring endpoints (127.0.0.1 only); it is on
+    by default here, for tests and tools that inspect the server, and off in
+    the embedded stack. Without it, readiness is a JetStream request as
+    `probe_identity`, which must be allowed to publish `$JS.API.INFO` (the
+    ledger's identity); on a server without users it may be left out.
+    `extra_config` lines go into the config file as they are (e.g. a
+    `feature_flags { ... }` block).
     """
 
     def __init__(
@@ -113,6 +134,8 @@ class NatsServer:
         port: int | None = None,
         monitor: bool = True,
         monitor_port: int | None = None,
+        probe_identity: Identity | None = None,
+        extra_config: Sequence[str] = (),
         binary: str | Path | None = None,
         start_timeout_s: float = 10.0,
     ) -> None:
@@ -127,6 +150,8 @@ class NatsServer:
         self._fixed_port = port
         self._monitor = monitor
         self._fixed_monitor_port = monitor_port
+        self._probe_identity = probe_identity
+        self._extra_config = tuple(extra_config)
         self._port: int | None = None
         self._monitor_port: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -181,13 +206,18 @@ class NatsServer:
 
     # -- lifecycle ----------------------------------------------------------
 
+    @property
+    def monitor_enabled(self) -> bool:
+        """Whether this server runs the HTTP monitoring endpoints."""
+        return self._monitor
+
     def start(self, *, wait_healthy: bool | None = None) -> NatsServer:
         """Start the server and wait until it serves clients.
 
-        `wait_healthy` (default: when not clustered and monitoring is on) also
-        waits for `/healthz`, i.e. JetStream ready. Raises `NatsServerStartError`
-        with the log tail if the server exits or is not ready within
-        `start_timeout_s`.
+        `wait_healthy` (default: when not clustered and readiness can be asked,
+        through the monitor or a JetStream probe) also waits until JetStream
+        answers (`wait_healthy()`). Raises `NatsServerStartError` with the log
+        tail if the server exits or is not ready within `start_timeout_s`.
         """
         if self._proc is not None:
             raise RuntimeError("the server is already started")
@@ -207,7 +237,7 @@ class NatsServer:
                     continue  # another process took a port we picked: pick again
                 raise NatsServerStartError(message, log=str(self.log_path))
             if wait_healthy is None:
-                wait_healthy = self.cluster is None and self._monitor
+                wait_healthy = self.cluster is None and (self._monitor or self._can_probe)
             if wait_healthy:
                 self.wait_healthy(max(0.5, deadline - time.monotonic()))
         except BaseException:
@@ -216,11 +246,22 @@ class NatsServer:
             raise
         return self
 
+    @property
+    def _can_probe(self) -> bool:
+        return self._probe_identity is not None or self.authorization is None
+
     def wait_healthy(self, timeout_s: float = 10.0) -> None:
-        """Wait until `/healthz` answers 200 (JetStream enabled and, in a cluster, led)."""
+        """Wait until JetStream is ready (and, in a cluster, has a meta leader).
+
+        With monitoring on, until `/healthz` answers 200; without, until
+        `$JS.API.INFO` is answered (`wait_jetstream`).
+        """
+        if not self._monitor:
+            self.wait_jetstream(timeout_s)
+            return
         url = self.monitor_url
         if url is None:
-            raise RuntimeError("monitoring is disabled or the server is not started")
+            raise RuntimeError("the server is not started")
         deadline = time.monotonic() + timeout_s
         last = "no answer"
         while time.monotonic() < deadline:
@@ -240,6 +281,39 @@ class NatsServer:
             time.sleep(0.05)
         raise NatsServerStartError(
             self._failure_message(f"not healthy within {timeout_s:.1f}s ({last})")
+        )
+
+    def wait_jetstream(self, timeout_s: float = 10.0, *, identity: Identity | None = None) -> None:
+        """Wait until JetStream answers `$JS.API.INFO` on the client port, without an error.
+
+        As `identity` (default: the `probe_identity` given), or anonymously on a
+        server without users. In a cluster the meta leader answers, and a node
+        without one says so, so a success also means a leader is elected. The
+        protocol is spoken on a plain socket, so this works in code that runs
+        an event loop as well. Raises `NatsServerStartError` if the server
+        exits, refuses the identity, or does not answer within `timeout_s`.
+        """
+        identity = identity or self._probe_identity
+        if identity is None and self.authorization is not None:
+            raise RuntimeError(
+                "a server with users needs a probe identity (the ledger's) to ask JetStream"
+                " whether it is ready, or monitoring"
+            )
+        if self._port is None:
+            raise RuntimeError("the server is not started")
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if not self.running:
+                message = self._failure_message("exited")
+                self._reap()
+                raise NatsServerStartError(message)
+            ready, last = _jetstream_probe(self._port, identity)
+            if ready:
+                return
+            time.sleep(0.05)
+        raise NatsServerStartError(
+            self._failure_message(f"JetStream not ready within {timeout_s:.1f}s ({last})")
         )
 
     def stop(self) -> None:
@@ -267,6 +341,7 @@ class NatsServer:
 
     def _launch(self, binary: Path) -> None:
         self._port = self._fixed_port if self._fixed_port is not None else free_port()
+        self._monitor_port = None
         if self._monitor:
             fixed = self._fixed_monitor_port
             self._monitor_port = fixed if fixed is not None else free_port()
@@ -277,6 +352,7 @@ class NatsServer:
             monitor_port=self._monitor_port,
             cluster=self.cluster,
             authorization=self.authorization,
+            extra_lines=self._extra_config,
         )
         self.config_path.write_text(render_server_config(settings), encoding="utf-8")
         # The config names public keys only, but there is no reason to share it.
@@ -356,3 +432,72 @@ class NatsServer:
     def __repr__(self) -> str:
         where = f"port={self._port}" if self._port is not None else "not started"
         return f"NatsServer({self.server_name!r}, {where})"
+
+
+def _jetstream_probe(port: int, identity: Identity | None) -> tuple[bool, str]:
+    """One `$JS.API.INFO` request over a fresh connection: (answered without error, detail).
+
+    Raises `NatsServerStartError` when retrying cannot help: the server refuses
+    the identity, or does not let it publish `$JS.API.INFO`.
+    """
+    inbox = f"{identity.inbox_prefix if identity else '_INBOX'}.ready{uuid.uuid4().hex}"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=_PROBE_IO_TIMEOUT_S) as sock:
+            sock.settimeout(_PROBE_IO_TIMEOUT_S)
+            reader = sock.makefile("rb")
+            greeting = reader.readline(_MAX_LINE)
+            if not greeting.startswith(b"INFO "):
+                return False, f"unexpected greeting {greeting[:40]!r}"
+            info = json.loads(greeting[5:])
+            connect: dict[str, Any] = {
+                "verbose": False,
+                "pedantic": False,
+                "protocol": 1,
+                "headers": True,
+                "no_responders": True,
+                "lang": "python",
+                "version": "opledger-readiness",
+                "name": "opledger-readiness",
+            }
+            if identity is not None:
+                connect["nkey"] = identity.public_key
+                nonce = info.get("nonce")
+                if isinstance(nonce, str):
+                    connect["sig"] = nonce_signature(identity, nonce.encode())
+            sock.sendall(
+                f"CONNECT {json.dumps(connect)}\r\nSUB {inbox} 1\r\n"
+                f"PUB $JS.API.INFO {inbox} 0\r\n\r\nPING\r\n".encode()
+            )
+            return _probe_answer(sock, reader)
+    except CredentialsError as exc:
+        raise NatsServerStartError(f"readiness probe: {exc.message}") from exc
+    except (OSError, ValueError) as exc:
+        return False, str(exc) or type(exc).__name__
+
+
+def _probe_answer(sock: socket.socket, reader: IO[bytes]) -> tuple[bool, str]:
+    """Read until the answer to the probe's request (or an error) arrives."""
+    while True:
+        line = reader.readline(_MAX_LINE).rstrip(b"\r\n")
+        if not line:
+            return False, "connection closed"
+        if line == b"PING":
+            sock.sendall(b"PONG\r\n")
+        elif line.startswith(b"-ERR"):
+            text = line.decode(errors="replace")
+            if "authorization violation" in text.lower() or "permissions violation" in text.lower():
+                raise NatsServerStartError(f"readiness probe refused by the server: {text}")
+            return False, text
+        elif line.startswith((b"MSG ", b"HMSG ")):
+            size = int(line.split()[-1])
+            body = reader.read(size + 2)[:size]
+            if line.startswith(b"HMSG "):
+                # Only a status comes with headers here: 503, no responders, while
+                # JetStream is still starting.
+                return False, body.split(b"\r\n", 1)[0].decode(errors="replace")
+            answer = json.loads(body)
+            error = answer.get("error") if isinstance(answer, dict) else "not a JSON object"
+            if error:
+                return False, f"$JS.API.INFO: {error}"
+            return True, "ready"
+        # PONG, +OK, INFO updates: keep reading until the answer.

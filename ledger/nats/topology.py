@@ -11,7 +11,12 @@ auditors bind to the consumers it created and cannot create their own.
   durable `ledger_results` consumer.
 - `OPS_FEED`: limits retention over `ops.feed.>`, with a duplicate window so a
   re-published event (same `Nats-Msg-Id`) is stored once; auditors read it
-  through the durable `feed_auditor` consumer.
+  through the durable `feed_auditor` consumer, and by sequence with direct
+  gets (`allow_direct`; `ledger.nats.feed_reader`), since a durable consumer
+  cannot go back to what it acknowledged. On a replicated stream, direct gets
+  are answered by followers too, which may lag a little behind the leader.
+  The other two streams allow no direct get: nobody but the ledger reads them
+  by sequence, and it has the leader's `STREAM.MSG.GET`.
 
 Declaring is idempotent: what exists with our configuration is left alone, what
 differs is updated, and what cannot be updated (e.g. a stream's retention)
@@ -56,7 +61,14 @@ __all__ = [
 
 # Fields we set and therefore compare; the server fills in many others
 # (metadata, limits, defaults) that must not count as a difference.
-_STREAM_FIELDS = ("subjects", "retention", "storage", "duplicate_window", "num_replicas")
+_STREAM_FIELDS = (
+    "subjects",
+    "retention",
+    "storage",
+    "duplicate_window",
+    "num_replicas",
+    "allow_direct",
+)
 _CONSUMER_FIELDS = (
     "durable_name",
     "filter_subject",
@@ -88,6 +100,7 @@ def stream_configs(*, duplicate_window_s: float = 120, replicas: int = 1) -> lis
             # Re-queuing the same attempt (same Nats-Msg-Id) within the window is a no-op.
             duplicate_window=duplicate_window_s,
             num_replicas=replicas,
+            allow_direct=False,
         ),
         StreamConfig(
             name=RESULTS_STREAM,
@@ -97,6 +110,7 @@ def stream_configs(*, duplicate_window_s: float = 120, replicas: int = 1) -> lis
             # An executor retrying a result publish after a lost PubAck is deduplicated.
             duplicate_window=duplicate_window_s,
             num_replicas=replicas,
+            allow_direct=False,
         ),
         StreamConfig(
             name=FEED_STREAM,
@@ -105,6 +119,8 @@ def stream_configs(*, duplicate_window_s: float = 120, replicas: int = 1) -> lis
             storage=StorageType.FILE,
             duplicate_window=duplicate_window_s,
             num_replicas=replicas,
+            # Auditors read the whole feed by sequence (`$JS.API.DIRECT.GET.OPS_FEED`).
+            allow_direct=True,
         ),
     ]
 

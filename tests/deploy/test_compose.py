@@ -518,8 +518,13 @@ def test_nats_node_runs_its_generated_config(node: str, generated: Any) -> None:
     assert _setting(config, "server_name") == node
     assert _setting(config, "listen") == f"0.0.0.0:{gen.CLIENT_PORT}"
     # Monitoring answers inside the container only, which is where the health check asks.
+    # It needs no credentials and lists every connection's NKey and subscriptions,
+    # so: loopback, in the container's own network namespace (host networking
+    # would make that the host's loopback), and no published port.
     assert _setting(config, "http") == f"127.0.0.1:{gen.MONITOR_PORT}"
     assert f":{gen.MONITOR_PORT}/healthz" in " ".join(service["healthcheck"]["test"])
+    assert "network_mode" not in service and "expose" not in service
+    assert not [p for p in service.get("ports", []) if str(gen.MONITOR_PORT) in str(p)]
     # JetStream's store lies on the node's own named volume.
     store = PurePosixPath(_setting(config, "store_dir"))
     volumes = [m for m in mounts(service) if not m.is_bind]

@@ -104,7 +104,8 @@ class NatsEnv:
             await nc.close()
 
 
-async def _declare(url: str, ledger: Identity) -> None:
+async def declare_as_ledger(url: str, ledger: Identity) -> None:
+    """Declare the test topology (`TOOLS`, short ack wait) as the ledger identity."""
     nc = await connect_as(url, ledger, allow_reconnect=False, connect_timeout=2)
     try:
         await declare_topology(
@@ -129,5 +130,5 @@ def nats_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsEnv]:
     head, end, tail = credentials.authorization_config.partition(LEDGER_USERS_END)
     with NatsServer(base / "server", authorization=head + twins + end + tail) as server:
         # Declared as the ledger identity: this also proves the ledger may do it.
-        asyncio.run(_declare(server.url, credentials.ledger))
+        asyncio.run(declare_as_ledger(server.url, credentials.ledger))
         yield NatsEnv(server, credentials, legacy)

@@ -302,6 +302,36 @@ async def subscribe_feed_core(ctx: Ctx) -> bool:
     return await _subscription_gets(ctx, "ops.feed.>", mirror)
 
 
+async def direct_get_last(ctx: Ctx, stream: str) -> bool:
+    """Put the nonce into `stream`, then read it back by a direct get of its last message.
+
+    What `ledger.nats.read_feed` starts with (`{"last_by_subj": ...}`). Only
+    `OPS_FEED` allows direct gets; on the other two streams the refusal is the
+    permission alone (nobody would answer even if it were let through).
+    """
+    setups = {
+        FEED_STREAM: (Subjects.feed(SEARCH, "OperationCreated"), "ops.feed.>"),
+        WORK_STREAM: (Subjects.work(SEARCH), "ops.exec.*"),
+        RESULTS_STREAM: (Subjects.result(SEARCH), "ops.result.*"),
+    }
+    subject, last_by = setups[stream]
+    if stream == RESULTS_STREAM:
+        async with ctx.other(Role.EXECUTOR, SEARCH) as executor:
+            assert await _js_publish(executor, subject, ctx.nonce)
+    else:
+        assert await _js_publish(ctx.ledger, subject, ctx.nonce)
+    request = json.dumps({"last_by_subj": last_by}).encode()
+    try:
+        msg = await ctx.actor.nc.request(
+            f"$JS.API.DIRECT.GET.{stream}", request, timeout=REFUSAL_WAIT_S
+        )
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return False
+    return msg.data == ctx.nonce and msg.headers is not None and msg.headers.get(
+        "Nats-Stream"
+    ) == stream
+
+
 async def request_served(ctx: Ctx, subject: str, *, check: bool = True) -> bool:
     """A request the ledger serves, checking the reply subject as it must (`check`).
 
@@ -397,6 +427,8 @@ CASES: list[Case] = [
     no(EXEC, SEARCH, "queue-work-itself",
        lambda c: _core_publish_stored(c, Subjects.work(SEARCH), WORK_STREAM),
        f'publish to "{Subjects.work(SEARCH)}"'),
+    no(EXEC, SEARCH, "direct-get-feed", lambda c: direct_get_last(c, FEED_STREAM),
+       'publish to "$js.api.direct.get.ops_feed"'),
     # agent host h1
     ok(HOST, "h1", "publish-own-proposal",
        lambda c: _core_publish_seen(c, Subjects.propose("h1"), "ops.propose.*")),
@@ -415,8 +447,17 @@ CASES: list[Case] = [
        'publish to "$js.api.stream.info.ops_feed"'),
     no(HOST, "h1", "subscribe-all-inboxes", subscribe_all_inboxes,
        'subscription to "_inbox.>"'),
+    no(HOST, "h1", "direct-get-feed", lambda c: direct_get_last(c, FEED_STREAM),
+       'publish to "$js.api.direct.get.ops_feed"'),
     # auditor
     ok(AUDITOR, "auditor", "fetch-feed", fetch_feed),
+    ok(AUDITOR, "auditor", "direct-get-feed", lambda c: direct_get_last(c, FEED_STREAM)),
+    no(AUDITOR, "auditor", "direct-get-work", lambda c: direct_get_last(c, WORK_STREAM),
+       'publish to "$js.api.direct.get.ops_work"'),
+    no(AUDITOR, "auditor", "direct-get-results", lambda c: direct_get_last(c, RESULTS_STREAM),
+       'publish to "$js.api.direct.get.ops_results"'),
+    no(AUDITOR, "auditor", "read-stream-info", lambda c: stream_info(c, FEED_STREAM),
+       'publish to "$js.api.stream.info.ops_feed"'),
     no(AUDITOR, "auditor", "publish-proposal",
        lambda c: _core_publish_seen(c, "ops.propose.x", "ops.propose.*"),
        'publish to "ops.propose.x"'),
@@ -530,6 +571,13 @@ FEED_INTO_WORK = Trick(
     lambda c: _pull_with_reply(c, FEED_STREAM, FEED_AUDITOR_CONSUMER, Subjects.work(EMAIL)),
     WORK_STREAM,
 )
+DIRECT_GET_INTO_WORK = Trick(
+    lambda c: _js_publish(c.ledger, Subjects.feed(SEARCH, "OperationCreated"), c.nonce),
+    lambda c: c.actor.nc.publish(
+        f"$JS.API.DIRECT.GET.{FEED_STREAM}", b'{"seq": 1, "batch": 2}', reply=Subjects.work(EMAIL)
+    ),
+    WORK_STREAM,
+)
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["own-account", "control-one-account"])
@@ -539,8 +587,14 @@ FEED_INTO_WORK = Trick(
         (EXEC, SEARCH, WORK_INTO_FEED),
         (EXEC, SEARCH, PUBACK_INTO_WORK),
         (AUDITOR, "auditor", FEED_INTO_WORK),
+        (AUDITOR, "auditor", DIRECT_GET_INTO_WORK),
     ],
-    ids=["exec-work-into-feed", "exec-puback-into-work", "auditor-feed-into-work"],
+    ids=[
+        "exec-work-into-feed",
+        "exec-puback-into-work",
+        "auditor-feed-into-work",
+        "auditor-direct-get-into-work",
+    ],
 )
 async def test_a_reply_subject_cannot_write_into_a_stream(
     nats_env: NatsEnv, role: Role, name: str, trick: Trick, legacy: bool
@@ -566,7 +620,9 @@ async def test_a_reply_subject_cannot_write_into_a_stream(
             await flush_all(actor.nc, CALL_TIMEOUT_S)
             await asyncio.sleep(QUIET_S)
             after = await _messages(ctx, trick.target)
-    assert after == before + (1 if writes else 0)
+    # A batch of two answers with two messages and an end-of-batch status.
+    expected = 3 if trick is DIRECT_GET_INTO_WORK else 1
+    assert after == before + (expected if writes else 0)
     assert actor.violations == ledger.violations == []
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import stat
 import subprocess
 from pathlib import Path
@@ -22,7 +23,7 @@ from ledger.nats import (
     permissions_for,
     write_server_config,
 )
-from ledger.nats.security import new_user_seed
+from ledger.nats.security import account_hash, new_user_seed, nonce_signature
 
 TOOLS = ["search_documents", "send_customer_email"]
 
@@ -38,11 +39,13 @@ def test_permissions_are_exactly_the_documented_ones() -> None:
         publish=("ops.propose.h1", "ops.status.h1"),
         subscribe=("ops.outcome.h1.>", "_INBOX_host_h1.>"),
     )
+    # Acks: exactly 9 (v1) and exactly 11 (v2) tokens, every one but the five
+    # numbers literal; `UhSCgwsR` is nats-server's getHash("LEDGER").
     assert permissions_for(Role.EXECUTOR, "search_documents") == Permissions(
         publish=(
             "$JS.API.CONSUMER.MSG.NEXT.OPS_WORK.exec_search_documents",
-            "$JS.ACK.OPS_WORK.exec_search_documents.>",
-            "$JS.ACK.*.*.OPS_WORK.exec_search_documents.>",
+            "$JS.ACK.OPS_WORK.exec_search_documents.*.*.*.*.*",
+            "$JS.ACK._.UhSCgwsR.OPS_WORK.exec_search_documents.*.*.*.*.*",
             "ops.result.search_documents",
             "ops.lease.search_documents",
         ),
@@ -51,11 +54,63 @@ def test_permissions_are_exactly_the_documented_ones() -> None:
     assert permissions_for(Role.AUDITOR, "auditor") == Permissions(
         publish=(
             "$JS.API.CONSUMER.MSG.NEXT.OPS_FEED.feed_auditor",
-            "$JS.ACK.OPS_FEED.feed_auditor.>",
-            "$JS.ACK.*.*.OPS_FEED.feed_auditor.>",
+            "$JS.ACK.OPS_FEED.feed_auditor.*.*.*.*.*",
+            "$JS.ACK._.UhSCgwsR.OPS_FEED.feed_auditor.*.*.*.*.*",
+            "$JS.API.DIRECT.GET.OPS_FEED",
         ),
         subscribe=("_INBOX_auditor_auditor.>",),
     )
+
+
+@pytest.mark.parametrize(
+    ("account", "expected"),
+    [
+        # From getHashSize (server/events.go): SHA-256 of the name, its first 8
+        # bytes each mapped to digits[b % 62] (server/accounts.go). LEDGER's and
+        # $G's are also checked against what the server itself puts into v2 ack
+        # replies (tests/nats/test_ack_routes.py).
+        ("LEDGER", "UhSCgwsR"),
+        ("$G", "szMpdrwD"),
+        ("AUDIT", "1OJ1WW31"),
+    ],
+)
+def test_account_hash_is_the_servers_get_hash(account: str, expected: str) -> None:
+    assert account_hash(account) == expected
+
+
+def test_exports_and_imports_follow_the_pinned_grants(tmp_path: Path) -> None:
+    """The accounts import exactly the subjects their users may publish; streamed
+    answers (pulls, batched direct gets) are exported as streams, acks are not."""
+    creds = generate_credentials(tmp_path, hosts=["h1"], tools=TOOLS[:1])
+    config = creds.authorization_config
+    audit_exports = [line.strip() for line in config.splitlines() if '"AUDIT"]' in line]
+    assert audit_exports == [
+        '{ service: "$JS.API.CONSUMER.MSG.NEXT.OPS_FEED.feed_auditor", accounts: ["AUDIT"],'
+        " response_type: stream }",
+        '{ service: "$JS.ACK.OPS_FEED.feed_auditor.*.*.*.*.*", accounts: ["AUDIT"] }',
+        '{ service: "$JS.ACK._.UhSCgwsR.OPS_FEED.feed_auditor.*.*.*.*.*", accounts: ["AUDIT"] }',
+        '{ service: "$JS.API.DIRECT.GET.OPS_FEED", accounts: ["AUDIT"], response_type: stream }',
+    ]
+    ack_services = [
+        line for line in config.splitlines() if "service:" in line and "$JS.ACK" in line
+    ]
+    assert len(ack_services) == 2 * 2 * 2  # (exec + audit) x (v1 + v2) x (export + import)
+    assert not [line for line in ack_services if ">" in line.split("$JS.ACK", 1)[1].split('"')[0]]
+
+
+def test_nonce_signature_verifies_with_the_public_key(tmp_path: Path) -> None:
+    creds = generate_credentials(tmp_path, hosts=[], tools=TOOLS[:1])
+    identity = creds.ledger
+    signature = nonce_signature(identity, b"server-nonce")
+    raw = base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
+    keypair = nkeys.from_seed(bytearray(identity.seed_path.read_bytes().strip()))
+    try:
+        assert keypair.public_key.decode() == identity.public_key
+        assert keypair.verify(b"server-nonce", raw)
+        with pytest.raises(nkeys.ErrInvalidSignature):
+            keypair.verify(b"another-nonce", raw)
+    finally:
+        keypair.wipe()
 
 
 @pytest.mark.parametrize("name", ["", "a.b", "a*", "a>", "a b"])

@@ -18,8 +18,10 @@ from ledger.nats import (
     NatsServer,
     NatsServerNotFound,
     NatsServerStartError,
+    connect_as,
     find_nats_server,
     free_port,
+    generate_credentials,
 )
 from ledger.nats import supervisor as supervisor_module
 
@@ -165,6 +167,76 @@ def test_three_node_cluster_forms(tmp_path: Path) -> None:
         for node in nodes:
             node.stop()
     assert all(not node.running for node in nodes)
+
+
+def test_without_the_monitor_readiness_is_a_jetstream_request_as_the_probe_identity(
+    tmp_path: Path,
+) -> None:
+    """No HTTP listener at all; `start` still waits until JetStream answers the ledger."""
+    creds = generate_credentials(tmp_path / "creds", hosts=(), tools=("search_documents",))
+    server = NatsServer(
+        tmp_path / "a",
+        authorization=creds.authorization_config,
+        monitor=False,
+        probe_identity=creds.ledger,
+    )
+    with server:
+        assert server.monitor_url is None and not server.monitor_enabled
+        assert "http:" not in server.config_path.read_text()
+        server.wait_healthy(timeout_s=2)  # the same probe, on demand
+        server.wait_jetstream(timeout_s=2, identity=creds.ledger)
+
+        async def jetstream_as_ledger() -> bool:
+            nc = await connect_as(server.url, creds.ledger, allow_reconnect=False)
+            try:
+                return (await nc.jetstream(timeout=1).account_info()) is not None
+            finally:
+                await nc.close()
+
+        assert asyncio.run(jetstream_as_ledger())
+        # An identity that may not ask JetStream is an error, not a wait.
+        with pytest.raises(NatsServerStartError, match=r"(?i)permissions violation"):
+            server.wait_jetstream(timeout_s=5, identity=creds.auditor())
+        # Neither a monitor nor an identity: nothing to ask.
+        bare = NatsServer(tmp_path / "b", authorization=creds.authorization_config, monitor=False)
+        with bare, pytest.raises(RuntimeError, match="probe identity"):
+            bare.wait_healthy(timeout_s=1)
+
+
+def test_a_plain_server_without_the_monitor_is_probed_anonymously(tmp_path: Path) -> None:
+    with NatsServer(tmp_path / "a", monitor=False) as server:
+        server.wait_jetstream(timeout_s=2)
+        assert asyncio.run(_jetstream_works(server.url))
+
+
+def test_a_cluster_without_the_monitor_is_ready_once_a_meta_leader_answers(
+    tmp_path: Path,
+) -> None:
+    """`$JS.API.INFO` is answered by the meta leader, and refused without one."""
+    cluster_ports = [free_port() for _ in range(3)]
+    routes = tuple(f"nats-route://127.0.0.1:{p}" for p in cluster_ports)
+    nodes = [
+        NatsServer(
+            tmp_path / f"n{i}",
+            server_name=f"n{i}",
+            cluster=ClusterOptions(name="opledger-probe", port=port, routes=routes),
+            monitor=False,
+        )
+        for i, port in enumerate(cluster_ports)
+    ]
+    try:
+        nodes[0].start()
+        # One node of three: no quorum, no leader, so not ready.
+        with pytest.raises(NatsServerStartError, match="JetStream not ready"):
+            nodes[0].wait_healthy(timeout_s=1.5)
+        for node in nodes[1:]:
+            node.start()
+        for node in nodes:
+            node.wait_healthy(timeout_s=15)
+        assert asyncio.run(_jetstream_works(nodes[2].url))
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 def test_a_start_timeout_is_an_error_and_leaves_no_process(tmp_path: Path) -> None:

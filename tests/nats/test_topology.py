@@ -70,6 +70,30 @@ async def test_declare_is_idempotent_and_updates_what_changed(server: NatsServer
             await nc.close()
 
 
+async def test_an_existing_feed_gets_direct_gets_and_nothing_else_does(server: NatsServer) -> None:
+    """A deployment from before `allow_direct`: its feed is updated in place, its data kept."""
+    with anyio.fail_after(10):
+        nc = await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
+        js = nc.jetstream(timeout=1)
+        try:
+            await js.add_stream(
+                name=FEED_STREAM, subjects=["ops.feed.>"], duplicate_window=120, storage="file"
+            )
+            await js.publish("ops.feed.search_documents.OperationCreated", b"kept")
+            assert (await js.stream_info(FEED_STREAM)).config.allow_direct is False
+            done = await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5)
+            assert FEED_STREAM in done.updated
+            feed = await js.stream_info(FEED_STREAM)
+            assert feed.config.allow_direct is True
+            assert feed.state.messages == 1
+            for stream in (WORK_STREAM, RESULTS_STREAM):
+                assert (await js.stream_info(stream)).config.allow_direct is False
+            again = await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5)
+            assert again.unchanged == ALL
+        finally:
+            await nc.close()
+
+
 async def test_a_stream_that_cannot_be_updated_is_an_error(server: NatsServer) -> None:
     """A work-queue stream's retention cannot change: we refuse instead of deleting data."""
     with anyio.fail_after(10):
