@@ -331,10 +331,6 @@ class ItemProcessor:
             return ItemDisposition(ItemAction.ACK, "done")
         if reply.decision is LeaseDecision.BUSY:
             return ItemDisposition(ItemAction.NAK, "busy", delay_s=self._busy_delay(reply))
-        if reply.decision is LeaseDecision.REFUSED:
-            # The ledger will never lease this operation to this tool's executors.
-            self._log.error("lease for %s refused: %s", item.operation_id, reply.reason)
-            return ItemDisposition(ItemAction.TERM, "refused")
         if reply.decision not in (LeaseDecision.EXECUTE, LeaseDecision.RECONCILE):
             # A decision this executor does not know: never guess "execute".
             self._log.error("unknown lease decision %r for %s", reply.decision, item.operation_id)

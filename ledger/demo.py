@@ -23,7 +23,7 @@ from ledger.client import AgentHostClient
 from ledger.config import Settings
 from ledger.embedded import DEMO_HOST, EmbeddedStack, StackInfo, running_stack
 from ledger.nats import connect_as, load_credentials
-from schemas import ProposeReply, RuntimeContext, ToolProposal
+from schemas import ProposeReply, RuntimeContext, ToolProposal, ledger_operation_id
 
 __all__ = ["run_demo_main"]
 
@@ -143,14 +143,16 @@ class Demo:
         }
         reply = await self._propose("email", "send_customer_email", arguments)
         op = reply.operation_id or ""
+        # The ledger knows the operation by the host's namespace and its ID.
+        ledger_op = ledger_operation_id(DEMO_HOST, op)
         proposal_hash = (reply.decision.proposal_hash if reply.decision else "") or ""
-        self._say(f"  {op} is {reply.state}; the approver sees:")
-        shown = self._cli("approvals", "show", op)
+        self._say(f"  {ledger_op} is {reply.state}; the approver sees:")
+        shown = self._cli("approvals", "show", ledger_op)
         self._say("    " + "\n    ".join(shown.strip().splitlines()[:14]))
         self._cli(
             "approvals",
             "approve",
-            op,
+            ledger_op,
             "--as",
             "lead",
             "--role",
@@ -160,7 +162,7 @@ class Demo:
         )
         assert self.host is not None
         status = await self.host.outcome(op, timeout=60)
-        sends = count_sends(self.info.home + "/email-provider.db", op)
+        sends = count_sends(self.info.home + "/email-provider.db", ledger_op)
         step.observed = (
             f"{reply.state} → approved from the CLI → {status.state}, sent {sends} time(s)"
         )
@@ -194,7 +196,7 @@ class Demo:
             self._cli(
                 "approvals",
                 "approve",
-                op,
+                ledger_operation_id(DEMO_HOST, op),
                 "--as",
                 "lead",
                 "--role",
@@ -216,7 +218,8 @@ class Demo:
         assert self.host is not None
         status = await self.host.outcome(op, timeout=90)
         provider = self.info.home + "/email-provider.db"
-        sends, calls = count_sends(provider, op), count_send_requests(provider, op)
+        ledger_op = ledger_operation_id(DEMO_HOST, op)
+        sends, calls = count_sends(provider, ledger_op), count_send_requests(provider, ledger_op)
         step.observed = (
             f"crashed ({crashing.returncode}) → redelivered → {status.state},"
             f" sent {sends} time(s), provider called {calls} time(s)"

@@ -31,6 +31,7 @@ from ledger.audit.verify import StoredRow, VerificationReport
 from ledger.budget import LedgerBudgetCounter
 from ledger.domain.errors import (
     ApprovalRefused,
+    InvalidProposal,
     LedgerError,
     OperationConflict,
     OperationNotFound,
@@ -38,6 +39,7 @@ from ledger.domain.errors import (
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState, ResultDisposition
 from ledger.projections.operations_view import OperationsProjector
+from ledger.retention import KEPT_REJECTED_BYTES, kept_arguments
 from policy import ProposalChecker, ToolContract
 from schemas import (
     Decision,
@@ -49,6 +51,8 @@ from schemas import (
     RuntimeContext,
     ToolProposal,
     canonical_json,
+    host_operation_id,
+    ledger_operation_id,
     sha256_hex,
 )
 
@@ -90,6 +94,14 @@ class LeaseGrant:
 
 SubmitItem = tuple[ToolProposal, RuntimeContext] | tuple[ToolProposal, RuntimeContext, str]
 """A proposal, its trusted context, and optionally the agent host that sent it."""
+
+
+def _conflict(operation_id: str) -> OperationConflict:
+    # Named by the host's own ID: the conflict is within the host's namespace.
+    return OperationConflict(
+        "this operation ID belongs to a different call",
+        operation_id=host_operation_id(operation_id),
+    )
 
 
 def _unpack(item: SubmitItem) -> tuple[ToolProposal, RuntimeContext, str]:
@@ -138,6 +150,10 @@ class Ledger:
         # touch. More costs GC time: every cached aggregate is walked by each
         # full collection (10,000 made 30-50 ms pauses in the service).
         cache_size: int = 2_000,
+        # And bounded in bytes (of stored history; the objects weigh a few
+        # times that): 2,000 operations of 512 KiB would be a gigabyte.
+        cache_bytes: int = 16 * 1024 * 1024,
+        kept_rejected_bytes: int = KEPT_REJECTED_BYTES,
     ) -> None:
         self.events = events
         self.db = db
@@ -153,7 +169,8 @@ class Ledger:
         # is harmless: its append fails on the version check and the command
         # runs again on the stored state; a refusal from a cached state is
         # likewise re-checked against the stored one before it is believed.
-        self._cache: Recent[str, Operation] = Recent(cache_size)
+        self._cache: Recent[str, Operation] = Recent(cache_size, max_weight=cache_bytes)
+        self._kept_rejected_bytes = kept_rejected_bytes
         self._cache_lock = threading.Lock()
 
     # ------------------------------------------------------------------ reading
@@ -199,14 +216,22 @@ class Ledger:
         """Record and check one proposal. Same ID and call again: the existing operation.
 
         `host` names the agent host that sent it (from its authenticated
-        subject), so outcomes go back to that host only.
+        subject), so outcomes go back to that host only, and the proposal's
+        operation ID is that host's own (`schemas.ledger_operation_id`).
+        Raises the `LedgerError` that refused it, if one did.
         """
-        return self.submit_many([(proposal, context, host)])[0]
+        answer = self.submit_many([(proposal, context, host)])[0]
+        if isinstance(answer, LedgerError):
+            raise answer
+        return answer
 
-    def submit_many(self, items: Sequence[SubmitItem]) -> list[Submission]:
+    def submit_many(self, items: Sequence[SubmitItem]) -> list[Submission | LedgerError]:
         """Record and check many proposals with one atomic append (the fast path).
 
-        Raises (and appends nothing) if any item conflicts with an existing operation.
+        Each item gets its own answer: a `Submission`, or the error that
+        refused that item alone (an ID its host already used for another
+        call, a proposal that cannot be stored). One item can never fail,
+        or keep out, the others.
         """
         try:
             return self._submit_many(items)
@@ -214,32 +239,57 @@ class Ledger:
             if self._budget is not None:
                 self._budget.clear_pending()
 
-    def _submit_many(self, items: Sequence[SubmitItem]) -> list[Submission]:
-        answers: list[Submission | None] = [None] * len(items)
-        new: list[tuple[int, Operation, Decision]] = []
-        fresh: dict[str, tuple[int, str]] = {}
-        # One query for the batch instead of one lookup per proposal; an ID
-        # stored by another writer after it is caught by the append below.
-        stored = self._stored_ids(item[0].operation_id for item in items)
+    def _submit_many(self, items: Sequence[SubmitItem]) -> list[Submission | LedgerError]:
+        answers: list[Submission | LedgerError | None] = [None] * len(items)
+        keyed: list[tuple[int, str, ToolProposal, RuntimeContext, str]] = []
         for index, item in enumerate(items):
             proposal, context, host = _unpack(item)
-            operation_id = proposal.operation_id or self._new_id()
-            print_ = fingerprint(proposal, context, host)
-            if operation_id in fresh:
-                # The same ID twice in one batch: a redelivery, or a conflict.
-                first, first_print = fresh[operation_id]
-                if first_print != print_:
-                    raise OperationConflict(
-                        "this operation ID belongs to a different call", operation_id=operation_id
-                    )
-                answers[index] = Submission(operation_id, new[first][1].state, None, False)
+            try:
+                operation_id = ledger_operation_id(host, proposal.operation_id or self._new_id())
+            except ValueError:
+                answers[index] = InvalidProposal(
+                    "the host name or operation ID is not a valid identifier"
+                )
                 continue
-            if operation_id in stored:
-                existing = self._existing(operation_id, print_)
-                if existing is not None:
-                    answers[index] = existing
+            keyed.append((index, operation_id, proposal, context, host))
+        # One query for the batch instead of one lookup per proposal; an ID
+        # stored by another writer after it is caught by the append below.
+        stored = self._stored_ids(operation_id for _, operation_id, *_ in keyed)
+        new: list[tuple[int, Operation, Decision]] = []
+        fresh: dict[str, tuple[int, str]] = {}
+        for index, operation_id, proposal, context, host in keyed:
+            try:
+                print_ = fingerprint(proposal, context, host)
+                if operation_id in fresh:
+                    # The same ID twice in one batch: a redelivery, or a conflict.
+                    first, first_print = fresh[operation_id]
+                    if first_print != print_:
+                        raise _conflict(operation_id)
+                    answers[index] = Submission(operation_id, new[first][1].state, None, False)
                     continue
-            operation, decision = self._new_operation(operation_id, proposal, context, print_, host)
+                if operation_id in stored:
+                    existing = self._existing(operation_id, print_)
+                    if existing is not None:
+                        answers[index] = existing
+                        continue
+                operation, decision = self._new_operation(
+                    operation_id, proposal, context, print_, host
+                )
+            except LedgerError as error:
+                answers[index] = error
+                continue
+            except Exception as exc:
+                # A value the check let through and the event encoder cannot
+                # write (or a bug): this proposal alone is refused, the rest
+                # of the batch is stored.
+                _log.warning(
+                    "proposal %s cannot be stored: %s: %s",
+                    operation_id,
+                    type(exc).__name__,
+                    str(exc)[:200],
+                )
+                answers[index] = InvalidProposal("the proposal cannot be stored")
+                continue
             fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
             if self._budget is not None and decision.outcome is not DecisionOutcome.REJECTED:
@@ -253,15 +303,24 @@ class Ledger:
                 # Another writer created one of these IDs meanwhile: settle one by one.
                 if self._budget is not None:
                     self._budget.clear_pending()
-                return [self._submit_after_race(item) for item in items]
+                return [
+                    answer
+                    if isinstance(answer, LedgerError)
+                    else self._submit_after_race(items[index])
+                    for index, answer in enumerate(answers)
+                ]
             for index, operation, decision in new:
                 answers[index] = Submission(operation.id, operation.state, decision, True)
         return [answer for answer in answers if answer is not None]
 
-    def _submit_after_race(self, item: SubmitItem) -> Submission:
+    def _submit_after_race(self, item: SubmitItem) -> Submission | LedgerError:
         proposal, context, host = _unpack(item)
         if proposal.operation_id is not None:
-            existing = self._existing(proposal.operation_id, fingerprint(proposal, context, host))
+            operation_id = ledger_operation_id(host, proposal.operation_id)
+            try:
+                existing = self._existing(operation_id, fingerprint(proposal, context, host))
+            except LedgerError as error:
+                return error
             if existing is not None:
                 return existing
         return self._submit_many([item])[0]
@@ -272,9 +331,7 @@ class Ledger:
         except OperationNotFound:
             return None
         if operation.fingerprint != print_:
-            raise OperationConflict(
-                "this operation ID belongs to a different call", operation_id=operation_id
-            )
+            raise _conflict(operation_id)
         return Submission(operation.id, operation.state, None, False)
 
     def _new_operation(
@@ -287,9 +344,19 @@ class Ledger:
     ) -> tuple[Operation, Decision]:
         now = self._clock()
         decision = self.checker.check(proposal, context)
+        rejected = decision.outcome is DecisionOutcome.REJECTED
+        # Accepted arguments passed the parse stage: plain JSON, bounded in
+        # size. Of a rejected proposal only what is storable and small is kept.
+        arguments, omitted = (
+            kept_arguments(proposal.arguments, self._kept_rejected_bytes)
+            if rejected
+            else (proposal.arguments, None)
+        )
+        stored = proposal.model_dump(mode="json", exclude={"arguments"})
+        stored["arguments"] = arguments
         operation = Operation.propose(
             operation_id,
-            proposal=proposal.model_dump(mode="json"),
+            proposal=stored,
             fingerprint=print_,
             actor=context.principal,
             tenant=context.tenant,
@@ -297,8 +364,9 @@ class Ledger:
             tool=proposal.tool_name,
             now=now,
             host=host,
+            omitted=omitted,
         )
-        if decision.outcome is DecisionOutcome.REJECTED:
+        if rejected:
             operation.reject(
                 issues=[issue.model_dump(mode="json") for issue in decision.issues],
                 category=(decision.category.value if decision.category else "INVALID_INPUT"),
@@ -349,7 +417,7 @@ class Ledger:
             raise
         with self._cache_lock:
             for operation in operations:
-                self._cache.remember(operation.id, operation)
+                self._cache.remember(operation.id, operation, operation.history_bytes)
 
     def _forget(self, *operation_ids: str) -> None:
         with self._cache_lock:
@@ -502,7 +570,8 @@ class Ledger:
         """Answer many (operation ID, executor, tool) lease requests with one append.
 
         `tool` is the tool the executor is authenticated for (from its subject);
-        an operation of another tool is REFUSED and nothing is appended.
+        an operation of another tool is answered `OperationNotFound`, exactly
+        as an unknown ID is, and nothing is appended.
         READY: a new lease and fencing token, with the exact approved arguments.
         A live lease held by someone: BUSY (try later). An expired lease or an
         unknown outcome: RECONCILE (look the outcome up, never run again).
@@ -520,11 +589,9 @@ class Ledger:
         self, operation: Operation, *, executor: str, tool: str | None, now: datetime
     ) -> LeaseReply:
         if tool is not None and operation.tool != tool:
-            return LeaseReply(
-                decision=LeaseDecision.REFUSED,
-                operation_id=operation.id,
-                reason="the operation belongs to another tool",
-            )
+            # Exactly the answer for an ID nobody used: an executor of one tool
+            # must not learn which operations other tools have.
+            raise OperationNotFound("no such operation", operation_id=operation.id)
         state = operation.state
         contract = self.contract_of(operation)
         timeout_ms = (
@@ -562,9 +629,14 @@ class Ledger:
         relay, announcing an event it just read). A copy this process wrote
         at that version or later is then as good as a replay, and cheaper.
 
-        `host`: asked on behalf of this agent host; another host's operation
-        is reported exactly like a missing one.
+        `host`: asked on behalf of this agent host, in its own namespace:
+        `operation_id` is the host's ID (see `schemas.ledger_operation_id`),
+        and so is the one in the answer. Another host's operations are not in
+        that namespace at all.
         """
+        asked = operation_id
+        if host is not None:
+            operation_id = ledger_operation_id(host, operation_id)
         cached = self._cached(operation_id)
         if cached is not None and known_version is None:
             # One index lookup says whether the copy is current (another
@@ -573,15 +645,19 @@ class Ledger:
         if cached is not None and known_version is not None and cached.version >= known_version:
             operation = cached
         else:
-            operation = self.get(operation_id)
+            try:
+                operation = self.get(operation_id)
+            except OperationNotFound:
+                raise OperationNotFound("no such operation", operation_id=asked) from None
         if host is not None and operation.host != host:
-            raise OperationNotFound("no such operation", operation_id=operation_id)
+            # Only an operation submitted before IDs were scoped can be here.
+            raise OperationNotFound("no such operation", operation_id=asked)
         outcome = operation.outcome
         result = None
         if outcome and outcome.get("result_ref"):
             result = self.results.get(outcome["result_ref"])
         return OperationStatus(
-            operation_id=operation.id,
+            operation_id=operation.id if host is None else asked,
             state=operation.state.value,
             final=operation.state in FINAL_STATES,
             tool=operation.tool,
@@ -725,6 +801,19 @@ class Ledger:
             return operation
 
         return self._update(operation_id, command)
+
+    def note_publication_set_aside(
+        self, operation_id: str, *, position: int, version: int, reason: str
+    ) -> None:
+        """Record that the relay could not publish the event at `version` (position
+        `position`) and went on without it (`Operation.PublicationSetAside`)."""
+
+        def command(operation: Operation) -> None:
+            operation.note_publication_set_aside(
+                position=position, version=version, reason=reason, now=self._clock()
+            )
+
+        self._update(operation_id, command)
 
     def start_reconciliation(self, operation_id: str, *, by: str) -> Operation:
         """Begin settling an unknown outcome."""

@@ -11,6 +11,7 @@ The public surface:
 """
 
 from policy._check._checker import ProposalChecker
+from policy._check._parse import DEFAULT_LIMITS, ArgumentLimits, json_value_issue
 from policy._check._structure import CompiledSchema
 from policy._contract import (
     ApprovalMode,
@@ -44,8 +45,10 @@ from policy._ports import BudgetCounter, SemanticInput, SemanticRule, Target, Ta
 from policy._registry import ContractRegistry, ToolCatalog, json_pointer, parse_contract
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "ApprovalMode",
     "ApprovalPolicy",
+    "ArgumentLimits",
     "BudgetCounter",
     "CompiledSchema",
     "ContractError",
@@ -75,6 +78,7 @@ __all__ = [
     "ToolVersion",
     "export_tool",
     "json_pointer",
+    "json_value_issue",
     "openai_strict_report",
     "parse_contract",
     "to_anthropic_tool",

@@ -13,7 +13,7 @@ from schemas._decision import Decision
 from schemas._errors import ErrorInfo
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._result import ResultEnvelope
-from schemas._subjects import TOKEN_PATTERN
+from schemas._subjects import OPERATION_ID_PATTERN, TOKEN_PATTERN
 
 __all__ = [
     "FeedEvent",
@@ -51,7 +51,7 @@ class WorkItem(WireModel):
     """A ready operation queued for executors. It carries no arguments: those come
     with the lease, from the ledger, exactly as checked and approved."""
 
-    operation_id: str = Field(pattern=TOKEN_PATTERN)
+    operation_id: str = Field(pattern=OPERATION_ID_PATTERN)
     tool: str
     tool_version: str
     attempt: int = Field(ge=1, description="The attempt this item is for.")
@@ -60,7 +60,7 @@ class WorkItem(WireModel):
 class LeaseRequest(WireModel):
     """An executor asks for the lease on one operation before any side effect."""
 
-    operation_id: str = Field(pattern=TOKEN_PATTERN)
+    operation_id: str = Field(pattern=OPERATION_ID_PATTERN)
     executor: str = Field(min_length=1, max_length=128)
 
 
@@ -75,8 +75,6 @@ class LeaseDecision(StrEnum):
     """The operation has its outcome (or will never run): acknowledge the item."""
     BUSY = "busy"
     """Another executor holds a live lease: try again later."""
-    REFUSED = "refused"
-    """The request is not this executor's to make (another tool's operation)."""
 
 
 class LeaseReply(WireModel):
@@ -126,3 +124,8 @@ class FeedEvent(WireModel):
     event_hash: str
     prev_hash: str | None = None
     event: dict[str, Any]
+    event_omitted: bool = Field(
+        default=False,
+        description="The event was too large for one message: `event` is empty, and"
+        " `event_hash` still identifies it (its content is in the ledger's export).",
+    )

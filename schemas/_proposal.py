@@ -27,7 +27,11 @@ class ToolProposal(WireModel):
     proposal_id: str = Field(min_length=1, max_length=128)
     conversation_id: str = Field(min_length=1, max_length=128)
     requested_by_user_id: str = Field(min_length=1, max_length=128)
-    tool_name: str = Field(min_length=1, max_length=128)
+    tool_name: str = Field(
+        pattern=TOKEN_PATTERN,
+        description="The tool the model chose ([A-Za-z0-9_-], at most 128): a tool name is a"
+        " subject token, so a name that is not one can never be stored.",
+    )
     arguments: Any = Field(
         description="The model's arguments: a JSON object, or the JSON text of one."
     )

@@ -35,6 +35,7 @@ _log = logging.getLogger(__name__)
 _STATUS = "Status"
 _PENDING = "Nats-Pending-Messages"
 _REFUSED_PAUSE_S = 1.0
+_MAX_BYTES_REACHED = "Exceeds MaxBytes"  # "409 Message Size Exceeds MaxBytes"
 
 
 class PullConsumer:
@@ -58,8 +59,13 @@ class PullConsumer:
         *,
         expires_s: float = 30.0,
         heartbeat_s: float = 5.0,
+        max_bytes: int | None = None,
     ) -> None:
         self._nc = nc
+        # Bytes per pull request, so that what is held here is bounded in bytes,
+        # not only in messages: 256 results of 1 MiB each would be 256 MiB. Must
+        # exceed the largest message, or that message could never be delivered.
+        self._max_bytes = max_bytes
         self._subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._name = f"{stream}/{consumer}"
         self._expires_ns = int(expires_s * 1e9)
@@ -163,6 +169,8 @@ class PullConsumer:
             "expires": self._expires_ns,
             "idle_heartbeat": self._heartbeat_ns,
         }
+        if self._max_bytes is not None:
+            request["max_bytes"] = self._max_bytes
         self._credit += want
         await self._nc.publish(self._subject, orjson.dumps(request), reply=self._inbox)
 
@@ -190,6 +198,11 @@ class PullConsumer:
             # left unused; without that count, assume all credit is gone.
             pending = headers.get(_PENDING)
             self._credit = max(self._credit - int(pending), 0) if pending else 0
+            if status == "409" and _MAX_BYTES_REACHED in headers.get("Description", ""):
+                # A request that delivered its `max_bytes` ended: not a refusal.
+                if self._waiter is not None and not self._closed:
+                    await self._ask()
+                return
             if status == "409":
                 # Refused or ended by the server (too many waiting pulls, a
                 # deleted consumer, a leader change): the waiting `take`

@@ -12,13 +12,16 @@ import re
 __all__ = [
     "FEED_AUDITOR_CONSUMER",
     "FEED_STREAM",
+    "OPERATION_ID_PATTERN",
     "RESULTS_CONSUMER",
     "RESULTS_STREAM",
     "TOKEN_PATTERN",
     "WORK_STREAM",
     "Subjects",
     "check_token",
+    "host_operation_id",
     "inbox_prefix",
+    "ledger_operation_id",
     "work_consumer",
     "work_message_id",
 ]
@@ -26,6 +29,17 @@ __all__ = [
 TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 """What a host name, tool name or operation ID must look like to be a subject token."""
 _TOKEN = re.compile(TOKEN_PATTERN)
+
+OPERATION_ID_PATTERN = r"^(?:[A-Za-z0-9_-]{1,128}/)?[A-Za-z0-9_-]{1,128}$"
+"""What the ledger calls an operation: `<host>/<id>` for one an agent host proposed
+as `<id>`, a bare `<id>` for one submitted without a host (the Python API).
+
+Operation IDs are scoped per host, so that no host can learn, by proposing
+under an ID, that another host used it: each host has a namespace of its own.
+Hosts only ever see and send their own `<id>`; executors, auditors and the
+command line see the ledger's `<host>/<id>`."""
+_OPERATION_ID = re.compile(OPERATION_ID_PATTERN)
+_SCOPE = "/"
 
 WORK_STREAM = "OPS_WORK"
 """Work-queue stream over `ops.exec.*`: one durable pull consumer per tool."""
@@ -44,6 +58,18 @@ def check_token(value: str) -> str:
     if not _TOKEN.match(value):
         raise ValueError(f"not a valid subject token: {value!r}")
     return value
+
+
+def ledger_operation_id(host: str, operation_id: str) -> str:
+    """The ledger's ID for operation `operation_id` of agent host `host` ("" for none)."""
+    if not host:
+        return check_token(operation_id)
+    return f"{check_token(host)}{_SCOPE}{check_token(operation_id)}"
+
+
+def host_operation_id(ledger_id: str) -> str:
+    """The ID the proposing host knows a ledger operation by (the part after `<host>/`)."""
+    return ledger_id.rpartition(_SCOPE)[2]
 
 
 def work_consumer(tool: str) -> str:

@@ -7,6 +7,7 @@ from schemas import ErrorCategory, OpledgerError
 __all__ = [
     "ApprovalRefused",
     "IllegalTransition",
+    "InvalidProposal",
     "LedgerError",
     "OperationConflict",
     "OperationNotFound",
@@ -30,6 +31,17 @@ class OperationConflict(LedgerError):
 
     category = ErrorCategory.CONFLICT
     code = "OPERATION_CONFLICT"
+
+
+class InvalidProposal(LedgerError):
+    """A proposal that cannot be recorded as it is (never retryable as sent).
+
+    The layered check turns faulty arguments into findings; this is for what
+    is left: a value no event can hold, an identifier that is not one.
+    """
+
+    category = ErrorCategory.INVALID_INPUT
+    code = "INVALID_PROPOSAL"
 
 
 class OperationNotFound(LedgerError):

@@ -17,7 +17,7 @@ from eventsourcing.domain import BaseAggregate
 from pydantic import Field
 
 from ledger.domain.errors import IllegalTransition, TamperDetected
-from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, event_hash
+from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event, event_hash
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
 
@@ -83,6 +83,8 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
         }
     ),
     "confirm_cancelled": frozenset({S.CANCEL_REQUESTED}),
+    # A fact about the relay, not about the call: it never changes the state.
+    "note_publication_set_aside": frozenset(S),
 }
 
 
@@ -103,6 +105,9 @@ class Operation(BaseAggregate[str]):
                 )
             self.apply_to(aggregate)
             aggregate.head_hash = event_hash(self)
+            # What this operation's history weighs as stored: caches bound
+            # their memory by it (the encoding exists already, for the hash).
+            aggregate.history_bytes += len(encoded_event(self))
 
         def apply_to(self, aggregate: Any) -> None:
             """Change the aggregate's state; overridden by each event."""
@@ -117,9 +122,12 @@ class Operation(BaseAggregate[str]):
         environment: str
         tool: str
         host: str = ""
+        omitted: dict[str, Any] | None = None
+        """What of the proposal's arguments was not kept, and why (`ledger.retention`)."""
 
         def apply(self, aggregate: Any) -> None:
             aggregate.head_hash = GENESIS_HASH
+            aggregate.history_bytes = 0
             super().apply(aggregate)
 
         def apply_to(self, aggregate: Any) -> None:
@@ -446,6 +454,18 @@ class Operation(BaseAggregate[str]):
         by: str
         outcome: str
 
+    class PublicationSetAside(Event):
+        """The relay could not publish this operation's event at `version` and moved on.
+
+        Recorded so that the gap in the feed is explained in the ledger itself
+        (an auditor comparing store and feed sees why), while one event no
+        message can carry never stops the feed, outcomes and work for everyone.
+        """
+
+        position: int
+        version: int
+        reason: str
+
     # ---------------------------------------------------------------- state
     # Set only by the events' apply methods. Declared for readers and mypy under
     # TYPE_CHECKING: class-level annotations would make the library turn the
@@ -453,6 +473,7 @@ class Operation(BaseAggregate[str]):
     if TYPE_CHECKING:
         state: OperationState
         head_hash: str
+        history_bytes: int
         proposal: dict[str, Any]
         fingerprint: str
         actor: str
@@ -494,8 +515,9 @@ class Operation(BaseAggregate[str]):
         tool: str,
         now: datetime,
         host: str = "",
+        omitted: dict[str, Any] | None = None,
     ) -> Operation:
-        """Record a new proposal under `operation_id`."""
+        """Record a new proposal under `operation_id` (`omitted`: what of it was not kept)."""
         return cls._create(
             cls.Proposed,
             id=operation_id,
@@ -508,6 +530,7 @@ class Operation(BaseAggregate[str]):
             environment=environment,
             tool=tool,
             host=host,
+            omitted=omitted,
         )
 
     def _guard(self, command: str) -> None:
@@ -884,6 +907,15 @@ class Operation(BaseAggregate[str]):
         self._trigger(self.CancelRequested, now, by=by, reason=reason)
         if not running:
             self._trigger(self.Cancelled, now, by=by)
+
+    def note_publication_set_aside(
+        self, *, position: int, version: int, reason: str, now: datetime
+    ) -> None:
+        """Record that the relay set aside the event at `version` (see `PublicationSetAside`)."""
+        self._guard("note_publication_set_aside")
+        self._trigger(
+            self.PublicationSetAside, now, position=position, version=version, reason=reason[:500]
+        )
 
     def confirm_cancelled(self, *, by: str, now: datetime) -> None:
         """The executor confirms it stopped before any side effect."""

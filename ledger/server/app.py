@@ -47,11 +47,15 @@ from schemas import (
     ResultEnvelope,
     StatusRequest,
     check_token,
+    host_operation_id,
 )
 
 __all__ = ["LedgerService", "ServiceOptions"]
 
 _log = logging.getLogger(__name__)
+
+_RESULT_BYTES = 16 * 1024 * 1024
+"""Result bytes asked for per pull request (more than any one message can be)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +178,8 @@ class LedgerService:
         except OpledgerError as error:
             return ProposeReply(error=error.to_info())
         return ProposeReply(
-            operation_id=submission.operation_id,
+            # The host's own ID: the ledger's `<host>/<id>` is not the host's concern.
+            operation_id=host_operation_id(submission.operation_id),
             state=submission.state.value,
             created=submission.created,
             decision=submission.decision,
@@ -204,7 +209,8 @@ class LedgerService:
     # ------------------------------------------------------------------ results
 
     async def _consume_results(self, nc: Client) -> None:
-        results = PullConsumer(nc, RESULTS_STREAM, RESULTS_CONSUMER)
+        # In bytes too: a batch of 256 results of 1 MiB each would be 256 MiB.
+        results = PullConsumer(nc, RESULTS_STREAM, RESULTS_CONSUMER, max_bytes=_RESULT_BYTES)
         self._results = results
         await results.start()
         while True:

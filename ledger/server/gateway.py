@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+import psycopg
+from eventsourcing.persistence import PersistenceError
 
 from ledger.domain.errors import LedgerError
 from ledger.domain.states import ResultDisposition
@@ -46,6 +50,21 @@ class InternalFailure(OpledgerError):
     category = ErrorCategory.INTERNAL
     code = "LEDGER_UNAVAILABLE"
     retryable = True
+
+
+_OUTAGES: tuple[type[Exception], ...] = (
+    PersistenceError,
+    sqlite3.Error,
+    psycopg.Error,
+    OSError,
+)
+"""Failures of the database itself, not of any one request."""
+
+
+def _failure(cause: Exception) -> InternalFailure:
+    failure = InternalFailure("the ledger could not process the request")
+    failure.__cause__ = cause
+    return failure
 
 
 @dataclass
@@ -127,17 +146,32 @@ class LedgerGateway:
     # --------------------------------------------------------------------- batches
 
     def _submit_batch(self, items: list[SubmitItem]) -> list[Submission | LedgerError]:
+        # Each item gets its own answer: one bad item never fails the others.
+        return self.ledger.submit_many(items)
+
+    def _run(self, lane: _Lane[Any, Any], items: list[Any]) -> Sequence[Any]:
+        """One batch's answers; a batch that raises is run again item by item.
+
+        The ledger answers each item on its own, so a batch raises only on an
+        outage (every caller learns it) or on a bug one item triggered: run
+        alone, each item then gets its own answer, and only the one that
+        triggered it fails. An outage is not retried item by item: each
+        attempt would wait out the same database timeout.
+        """
         try:
-            return list(self.ledger.submit_many(items))
-        except LedgerError:
-            # One bad item (a conflicting ID) must not fail the others: one by one.
-            answers: list[Submission | LedgerError] = []
-            for item in items:
-                try:
-                    answers.append(self.ledger.submit_many([item])[0])
-                except LedgerError as error:
-                    answers.append(error)
-            return answers
+            return lane.run(items)
+        except Exception as exc:
+            _log.exception("ledger batch of %d failed", len(items))
+            if len(items) == 1 or isinstance(exc, _OUTAGES):
+                return [_failure(exc)] * len(items)
+        answers: list[Any] = []
+        for item in items:
+            try:
+                answers.extend(lane.run([item]))
+            except Exception as exc:
+                _log.exception("ledger request failed on its own")
+                answers.append(_failure(exc))
+        return answers
 
     async def _loop(self) -> None:
         while True:
@@ -149,13 +183,7 @@ class LedgerGateway:
                     futures = lane.futures[: self._max_batch]
                     del lane.items[: self._max_batch]
                     del lane.futures[: self._max_batch]
-                    try:
-                        answers = lane.run(items)
-                    except Exception as exc:  # a bug or an outage: every caller learns it
-                        _log.exception("ledger batch failed")
-                        failure = InternalFailure("the ledger could not process the request")
-                        failure.__cause__ = exc
-                        answers = [failure] * len(items)
+                    answers = self._run(lane, items)
                     for future, answer in zip(futures, answers, strict=True):
                         if future.done():
                             continue

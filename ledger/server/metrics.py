@@ -58,6 +58,12 @@ class LedgerMetrics:
             "From reconciliation start to its end",
             registry=r,
         )
+        self.relay_set_aside = Counter(
+            "opledger_relay_events_set_aside_total",
+            "Events the relay could not publish and went on without"
+            " (each is in opledger_relay_set_aside and noted on its operation)",
+            registry=r,
+        )
         self._started: Recent[tuple[str, str], datetime] = Recent(_OPEN_LIMIT)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:

@@ -33,7 +33,9 @@ from typing import Any
 
 import orjson
 from nats.aio.client import Client
+from nats.errors import BadSubjectError, MaxPayloadError
 from nats.js import JetStreamContext
+from nats.js.errors import APIError
 
 from ledger._recent import Recent
 from ledger.audit.export import feed_record
@@ -41,9 +43,9 @@ from ledger.audit.verify import StoredRow
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.service import FINAL_STATES, Ledger
-from schemas import Subjects, WorkItem, work_message_id
+from schemas import Subjects, WorkItem, host_operation_id, work_message_id
 
-__all__ = ["Relay"]
+__all__ = ["SET_ASIDE_TABLE", "Relay"]
 
 _log = logging.getLogger(__name__)
 _NAME = "relay"
@@ -64,6 +66,12 @@ _POLL_S = 0.25  # how often the relay looks for events that other instances wrot
 _REFRESH_EVERY_S = 0.02  # how far the operations view may fall behind while events flow
 _ROUTES_KEPT = 100_000  # operations whose routes the relay remembers (oldest dropped first)
 _FINAL = frozenset(state.value for state in FINAL_STATES)
+_NEVER_STORED = frozenset({10054})  # JetStream: "message size exceeds maximum allowed"
+_HEADER_ROOM = 512  # the server counts headers against max_payload; nats-py counts data only
+
+SET_ASIDE_TABLE = "opledger_relay_set_aside"
+"""Events the relay could not publish and went on without: (position, operation_id,
+version, reason, set_aside_at). Each also gets `Operation.PublicationSetAside`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,11 @@ class _Message:
     payload: bytes
     message_id: str | None  # None: core NATS (outcome notices are not stored)
     feed: bool = False  # a feed event: its sequence number is known in advance
+    row: StoredRow | None = None  # the event it carries, for a feed message
+
+
+class _SetAside(Exception):
+    """Messages of this batch cannot be published; they were set aside: read it again."""
 
 
 class Relay:
@@ -116,6 +129,9 @@ class Relay:
         self._saved_at = datetime.min.replace(tzinfo=UTC)
         self._refreshed_at = 0.0
         self._routes: Recent[str, tuple[str, str | None, str]] = Recent(_ROUTES_KEPT)
+        # Positions ahead of ours already set aside, so that reading them
+        # again (after a failed batch, a restart) does not try them again.
+        self._set_aside_positions: set[int] = set()
         self._ledger.db.execute(
             "CREATE TABLE IF NOT EXISTS opledger_relay ("
             " name TEXT PRIMARY KEY, position BIGINT NOT NULL, owner TEXT, until TEXT)"
@@ -124,6 +140,11 @@ class Relay:
             "INSERT INTO opledger_relay (name, position) VALUES (?, 0)"
             " ON CONFLICT (name) DO NOTHING",
             (_NAME,),
+        )
+        self._ledger.db.execute(
+            f"CREATE TABLE IF NOT EXISTS {SET_ASIDE_TABLE} ("
+            " position BIGINT PRIMARY KEY, operation_id TEXT NOT NULL,"
+            " version INTEGER NOT NULL, reason TEXT NOT NULL, set_aside_at TEXT NOT NULL)"
         )
 
     def start(self) -> None:
@@ -148,6 +169,10 @@ class Relay:
             try:
                 while await self.pump():
                     pass
+            except _SetAside:
+                # Read the batch again without what was set aside.
+                self._position = None
+                continue
             except Exception:
                 _log.exception("relay failed; retrying")
                 self._position = None  # read the position again from the row
@@ -207,6 +232,12 @@ class Relay:
             return None
         rows = self._ledger.db.query("SELECT position FROM opledger_relay WHERE name = ?", (_NAME,))
         self._position = self._confirmed = self._saved_position = int(rows[0][0])
+        self._set_aside_positions = {
+            int(found[0])
+            for found in self._ledger.db.query(
+                f"SELECT position FROM {SET_ASIDE_TABLE} WHERE position > ?", (self._position,)
+            )
+        }
         self._feed_next = None  # another relay may have written since: learn it again
         self._held_until, self._saved_at = now + self._lease, now
         return self._position
@@ -260,11 +291,55 @@ class Relay:
             for operation_id, found in ledger.projector.routes(missing).items():
                 self._routes.remember(operation_id, found)
         messages: list[_Message] = []
+        limit = self._payload_limit()
         for row in rows:
             route = self._routes.get(row[1])
-            if route is not None:
-                messages.extend(self._messages_for(row, *route))
+            if route is None or row[0] in self._set_aside_positions:
+                continue
+            try:
+                messages.extend(self._messages_for(row, *route, limit=limit))
+            except Exception as exc:
+                # Nothing about one event may stop the feed, outcomes and work
+                # for everyone: what cannot be published is set aside, said
+                # so, and the relay moves on.
+                self._set_aside(row, f"{type(exc).__name__}: {exc}")
         return rows[-1][0], messages, len(rows) == self._batch
+
+    def _payload_limit(self) -> int:
+        """The largest payload a message may have (the server's limit, less its headers)."""
+        return max(int(self._nc.max_payload) - _HEADER_ROOM, 0)
+
+    def _set_aside(self, row: StoredRow, reason: str) -> None:
+        """Record that the event at `row` will not be published: a row, a metric, a log
+        line and an event on its operation (`Operation.PublicationSetAside`)."""
+        position, operation_id, version, topic, _ = row
+        kind = topic.rsplit(".", 1)[-1]
+        reason = reason[:500]
+        _log.error(
+            "relay: event %s of %s (position %s) set aside: %s", version, operation_id,
+            position, reason,
+        )
+        self._set_aside_positions.add(position)
+        first = self._ledger.db.execute_count(
+            f"INSERT INTO {SET_ASIDE_TABLE}"
+            " (position, operation_id, version, reason, set_aside_at) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (position) DO NOTHING",
+            (position, operation_id, version, reason, datetime.now(UTC).isoformat()),
+        )
+        if first and self._metrics is not None:
+            self._metrics.relay_set_aside.inc()
+        if not first or kind == "PublicationSetAside":
+            # Seen before (a restart before the position was saved), or the note
+            # itself: noting a note that cannot be published would never end.
+            return
+        try:
+            self._ledger.note_publication_set_aside(
+                operation_id, position=position, version=version, reason=reason
+            )
+        except Exception:
+            # Not an operation we can load (a row that was never ours): the
+            # table row, the metric and the log line stand for it.
+            _log.exception("relay: could not note the set-aside event on %s", operation_id)
 
     def _learn_routes(self, rows: list[StoredRow]) -> None:
         """Note each operation's tool, tool version and host from the events that name them.
@@ -284,22 +359,27 @@ class Relay:
                     self._routes.remember(operation_id, (known[0], version, known[2]))
 
     def _messages_for(
-        self, row: StoredRow, tool: str, tool_version: str | None, host: str
+        self, row: StoredRow, tool: str, tool_version: str | None, host: str, *, limit: int
     ) -> list[_Message]:
+        """The messages one event means, each within `limit` bytes; raises if it has none."""
         operation_id, version = row[1], row[2]
         contract = self._ledger.checker.catalog.get(tool)
         record = feed_record(row, contract.sensitive_arguments if contract else ())
         kind = record["type"]
+        subject = Subjects.feed(tool, kind)
         if self._metrics is not None:
-            self._metrics.observe(record, tool)
-        messages = [
-            _Message(
-                Subjects.feed(tool, kind),
-                orjson.dumps(record),
-                f"{operation_id}:{version}",
-                feed=True,
-            )
-        ]
+            try:
+                self._metrics.observe(record, tool)
+            except Exception:  # a metric must never cost an event its publication
+                _log.warning("metrics could not count %s event %s", kind, version, exc_info=True)
+        payload = orjson.dumps(record)
+        if len(payload) > limit:
+            # The event itself stays in the ledger; the feed carries its hash,
+            # which is what an auditor compares against the store.
+            payload = orjson.dumps(record | {"event": {}, "event_omitted": True})
+            if len(payload) > limit:
+                raise ValueError(f"even without its body the feed record is {len(payload)} bytes")
+        messages = [_Message(subject, payload, f"{operation_id}:{version}", feed=True, row=row)]
         if kind in _DISPATCH and tool_version:
             state: dict[str, Any] = record["event"]
             attempt = int(state.get("after_attempt", 0)) + 1
@@ -318,16 +398,37 @@ class Relay:
                 )
             )
         if kind in _SETTLING and host:
-            status = self._ledger.status(operation_id, known_version=version)
-            if status.final and status.state in _FINAL:
-                messages.append(
-                    _Message(
-                        Subjects.outcome(host, operation_id),
-                        status.model_dump_json().encode(),
-                        None,
-                    )
-                )
+            notice = self._outcome_notice(operation_id, version, host, limit)
+            if notice is not None:
+                messages.append(notice)
         return messages
+
+    def _outcome_notice(
+        self, operation_id: str, version: int, host: str, limit: int
+    ) -> _Message | None:
+        """The announcement of a final outcome to its host, if there is one to make.
+
+        Best effort (core NATS, and the host asks for the status when none
+        comes): a status that cannot be read is the host's to ask about, and
+        it never costs the event its place on the feed.
+        """
+        try:
+            status = self._ledger.status(operation_id, known_version=version)
+        except Exception as exc:
+            _log.warning("no outcome notice for %s: %s", operation_id, exc)
+            return None
+        if not (status.final and status.state in _FINAL):
+            return None
+        # The host knows its operation by its own ID.
+        local = host_operation_id(operation_id)
+        payload = status.model_copy(update={"operation_id": local}).model_dump_json().encode()
+        if len(payload) > limit:
+            # A result too large for any message: no notice (a notice without
+            # its result would read as "no result"). The host's status request
+            # is answered with an error that says so.
+            _log.warning("no outcome notice for %s: %d bytes", operation_id, len(payload))
+            return None
+        return _Message(Subjects.outcome(host, local), payload, None)
 
     # -------------------------------------------------------------- event loop
 
@@ -348,21 +449,34 @@ class Relay:
         prove = bool(feed) and known and self._confirm_due()
         proof = feed[-1] if prove else None
         acks: list[asyncio.Future[Any]] = []
+        acked: list[_Message] = []
         feed_acks: list[asyncio.Future[Any]] = []
         try:
             for message in messages:
                 headers = {"Nats-Msg-Id": message.message_id} if message.message_id else None
-                if message.message_id is None or (message.feed and known and message is not proof):
-                    await self._nc.publish(message.subject, message.payload, headers=headers)
-                    continue
-                ack = await self._js.publish_async(
-                    message.subject, message.payload, headers=headers
-                )
+                try:
+                    if message.message_id is None or (
+                        message.feed and known and message is not proof
+                    ):
+                        await self._nc.publish(message.subject, message.payload, headers=headers)
+                        continue
+                    ack = await self._js.publish_async(
+                        message.subject, message.payload, headers=headers
+                    )
+                except (BadSubjectError, MaxPayloadError) as exc:
+                    # Checked for when the batch was read, so only a server with
+                    # other limits can get here (a reconnect to another node).
+                    await self._unpublishable(message, exc)
+                    raise _SetAside() from exc
                 acks.append(ack)
+                acked.append(message)
                 if message.feed:
                     feed_acks.append(ack)
             if acks:
-                await asyncio.wait_for(asyncio.gather(*acks), timeout=self._ack_timeout)
+                outcomes = await asyncio.wait_for(
+                    asyncio.gather(*acks, return_exceptions=True), timeout=self._ack_timeout
+                )
+                await self._refused(acked, outcomes)
         except BaseException:
             for ack in acks:
                 ack.cancel()  # frees its slot among the pending publishes
@@ -386,6 +500,27 @@ class Relay:
         else:
             assert self._feed_next is not None
             self._feed_next += len(feed)
+
+    async def _refused(self, messages: list[_Message], outcomes: list[Any]) -> None:
+        """Raise for a failed PubAck; set aside a message JetStream will never take."""
+        refused = False
+        for message, outcome in zip(messages, outcomes, strict=True):
+            if not isinstance(outcome, BaseException):
+                continue
+            if isinstance(outcome, APIError) and outcome.err_code in _NEVER_STORED:
+                await self._unpublishable(message, outcome)
+                refused = True
+                continue
+            raise outcome
+        if refused:
+            raise _SetAside()
+
+    async def _unpublishable(self, message: _Message, cause: Exception) -> None:
+        if message.row is None:
+            # A work item or a notice: small and well-formed by construction;
+            # failing here is a fault to retry, not a message to give up on.
+            raise cause
+        await self._gateway.call(self._set_aside, message.row, f"{type(cause).__name__}: {cause}")
 
     async def _confirm_last(self) -> None:
         """Prove the feed events sent since the last proof by asking about the last one.

@@ -26,10 +26,24 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ledger.nats.security import reply_allowed
+from schemas import ErrorCategory, ErrorInfo, ProposeReply
 
 __all__ = ["Handler", "RequestServer"]
 
 _log = logging.getLogger(__name__)
+
+_HEADER_ROOM = 512
+_TOO_LARGE = (
+    ProposeReply(
+        error=ErrorInfo(
+            code="REPLY_TOO_LARGE",
+            category=ErrorCategory.INTERNAL,
+            message="the answer is larger than a message may be",
+        )
+    )
+    .model_dump_json()
+    .encode()
+)
 
 Handler = Callable[[bytes, str], Awaitable[bytes]]
 """Serves one request: (payload, last subject token) → reply payload. Never raises on bad input."""
@@ -38,10 +52,19 @@ Handler = Callable[[bytes, str], Awaitable[bytes]]
 class RequestServer:
     """Serves request subjects in a queue group, answering only inside the requester's inbox."""
 
-    def __init__(self, nc: Client, *, queue: str, limit: int = 512) -> None:
+    def __init__(
+        self, nc: Client, *, queue: str, limit: int = 512, max_bytes: int = 64 * 1024 * 1024
+    ) -> None:
         self._nc = nc
         self._queue = queue
         self._slots = asyncio.Semaphore(limit)
+        # Requests in progress are bounded in bytes as well as in number: 512
+        # proposals of 1 MiB would be half a gigabyte. Past the budget the
+        # callback waits, and the subscription's own pending limits hold (or,
+        # past those, drop) the rest: the requesters time out and retry.
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._freed = asyncio.Condition()
         self._running: set[asyncio.Task[None]] = set()
         self._subscriptions: list[Subscription] = []
 
@@ -49,13 +72,25 @@ class RequestServer:
         """Subscribe `subject` (a wildcard ending in `*`) and answer with `handler`."""
 
         async def callback(message: Msg) -> None:
+            size = len(message.data)
             await self._slots.acquire()
+            if self._bytes and self._bytes + size > self._max_bytes:
+                async with self._freed:
+                    await self._freed.wait_for(
+                        lambda: not self._bytes or self._bytes + size <= self._max_bytes
+                    )
+            self._bytes += size
             task = asyncio.get_running_loop().create_task(self._answer(message, handler))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
         self._subscriptions.append(
-            await self._nc.subscribe(subject, queue=self._queue, cb=callback)
+            await self._nc.subscribe(
+                subject,
+                queue=self._queue,
+                cb=callback,
+                pending_bytes_limit=self._max_bytes,
+            )
         )
 
     async def _answer(self, message: Msg, handler: Handler) -> None:
@@ -71,6 +106,11 @@ class RequestServer:
                 return
             token = message.subject.rsplit(".", 1)[-1]
             payload = await handler(message.data, token)
+            if len(payload) > self._nc.max_payload - _HEADER_ROOM:
+                # An answer no message can carry (a huge kept result): the
+                # requester gets a structured error, not a timeout.
+                _log.warning("answer on %s: %d bytes, sent an error", message.subject, len(payload))
+                payload = _TOO_LARGE
             await self._nc.publish(message.reply, payload)
         except Exception:
             # A bug, not bad input (handlers answer bad input themselves): log
@@ -78,6 +118,9 @@ class RequestServer:
             _log.exception("request on %s failed", message.subject)
         finally:
             self._slots.release()
+            self._bytes -= len(message.data)
+            async with self._freed:
+                self._freed.notify_all()
 
     async def stop(self) -> None:
         """Stop taking requests and let the ones in progress finish."""

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from policy._check._approval import approval_requirement
 from policy._check._authorization import check_authorization
 from policy._check._budget import check_budget
-from policy._check._parse import parse_arguments
+from policy._check._parse import DEFAULT_LIMITS, ArgumentLimits, parse_arguments
 from policy._check._risk import assess_risk
 from policy._check._semantics import check_semantics
 from policy._check._structure import CompiledSchema, apply_defaults
@@ -57,13 +57,18 @@ class ProposalChecker:
         rules: Mapping[str, Sequence[SemanticRule]] | None = None,
         budget: BudgetCounter | None = None,
         clock: Callable[[], datetime] = _utcnow,
+        limits: ArgumentLimits = DEFAULT_LIMITS,
     ) -> None:
         self.catalog = catalog
+        self.limits = limits
         self._resolver = resolver
         self._rules = dict(rules or {})
         self._budget = budget
         self._clock = clock
-        self._schemas = {name: CompiledSchema(c.input_schema) for name, c in catalog.items()}
+        self._schemas = {
+            name: CompiledSchema(c.input_schema, max_issues=limits.max_issues)
+            for name, c in catalog.items()
+        }
 
     def check(
         self, proposal: ToolProposal | Mapping[str, Any], context: RuntimeContext
@@ -95,7 +100,7 @@ class ProposalChecker:
             )
 
     def _check(self, proposal: ToolProposal, context: RuntimeContext) -> Decision:
-        arguments, issues = parse_arguments(proposal.arguments)
+        arguments, issues = parse_arguments(proposal.arguments, self.limits)
         contract = self.catalog.get(proposal.tool_name)
         if contract is None:
             return _rejected(
@@ -211,7 +216,7 @@ class ProposalChecker:
         return Decision(
             outcome=DecisionOutcome.REJECTED,
             **_checked(proposal, contract, normalized, applied, hashed, risk, reasons),
-            issues=tuple(issues),
+            issues=bounded_issues(issues, self.limits.max_issues),
             repair=self._repair_status(proposal, contract, exhausted=exhausted),
             category=issues[0].category,
         )
@@ -241,12 +246,49 @@ def _checked(
     }
 
 
+def bounded_issues(issues: Sequence[ValidationIssue], limit: int) -> tuple[ValidationIssue, ...]:
+    """At most `limit` findings, then one that says how many more there were.
+
+    Every finding is stored with the rejected operation and sent back in the
+    reply: a 100,000-item array of wrong types must not become 100,000
+    findings, which would be larger than any message may be.
+    """
+    shown = tuple(_short(issue) for issue in issues[:limit])
+    if len(issues) <= limit:
+        return shown
+    omitted = len(issues) - limit
+    more = ValidationIssue(
+        stage=issues[limit].stage,
+        code="more_issues",
+        message=f"{omitted} more finding(s) not shown; fix these first",
+        actual=omitted,
+        repairable=all(issue.repairable for issue in issues[limit:]),
+        category=issues[limit].category,
+    )
+    return (*shown, more)
+
+
+_MAX_POINTER_CHARS = 256
+_MAX_MESSAGE_CHARS = 300
+
+
+def _short(issue: ValidationIssue) -> ValidationIssue:
+    """`issue`, its pointer and message shortened: both can be as long as the input
+    (a property name of 200 KiB is "not a known property")."""
+    update: dict[str, str] = {}
+    if len(issue.path) > _MAX_POINTER_CHARS:
+        update["path"] = issue.path[: _MAX_POINTER_CHARS - 1] + "…"
+    if len(issue.message) > _MAX_MESSAGE_CHARS:
+        update["message"] = issue.message[: _MAX_MESSAGE_CHARS - 1] + "…"
+    return issue.model_copy(update=update) if update else issue
+
+
 def _rejected(proposal_id: str, tool: str, issues: list[ValidationIssue]) -> Decision:
     return Decision(
         outcome=DecisionOutcome.REJECTED,
         proposal_id=proposal_id,
         tool=tool,
-        issues=tuple(issues),
+        issues=bounded_issues(issues, DEFAULT_LIMITS.max_issues),
         category=issues[0].category,
     )
 

@@ -9,6 +9,7 @@ and actual. Neither coerces types: "10" is not 10.
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -119,9 +120,17 @@ def _fill(schema: Any, instance: Any, path: tuple[object, ...], applied: list[st
 class CompiledSchema:
     """A tool's input (or output) schema, compiled once for both validators."""
 
-    def __init__(self, schema: dict[str, Any], *, stage: CheckStage = CheckStage.STRUCTURE):
+    def __init__(
+        self,
+        schema: dict[str, Any],
+        *,
+        stage: CheckStage = CheckStage.STRUCTURE,
+        max_issues: int = 50,
+    ):
         self.schema = schema
         self._stage = stage
+        # One more than is reported, so that the checker can say more were cut.
+        self._max_errors = max_issues + 1
         self._fast = jsonschema_rs.validator_for(schema, validate_formats=True)
         self._detailed = Draft202012Validator(
             schema, format_checker=Draft202012Validator.FORMAT_CHECKER
@@ -135,13 +144,21 @@ class CompiledSchema:
         """Every structural fault in `instance`, or an empty list when it is valid."""
         if self._fast.is_valid(instance):
             return []
-        errors = sorted(self._detailed.iter_errors(instance), key=lambda e: list(e.absolute_path))
+        # Bounded: explaining every error of a 100,000-item array would cost
+        # seconds and the findings would be cut to a few dozen anyway.
+        errors = sorted(
+            itertools.islice(self._detailed.iter_errors(instance), self._max_errors),
+            key=lambda e: list(e.absolute_path),
+        )
         issues = [issue for error in errors for issue in self._explain(error)]
         if not issues:
             # The two validators disagree (python-jsonschema's `re` is laxer than
             # ECMA-262: `$` matches before a trailing newline, `\d` takes non-ASCII
             # digits). The stricter verdict stands; explain it from jsonschema-rs.
-            issues = [self._explain_fast(error) for error in self._fast.iter_errors(instance)]
+            issues = [
+                self._explain_fast(error)
+                for error in itertools.islice(self._fast.iter_errors(instance), self._max_errors)
+            ]
         return issues
 
     def _explain_fast(self, error: Any) -> ValidationIssue:

@@ -102,7 +102,7 @@ def test_embedded_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         assert listed.returncode == 0, listed.stderr
         assert listed.stdout.splitlines()[0].split()[:2] == ["OPERATION", "STATE"]
         assert listed.stdout.splitlines()[1].split()[:3] == [
-            "op-up-1", "succeeded", "search_documents@2.1.0"
+            "demo/op-up-1", "succeeded", "search_documents@2.1.0"
         ]
     finally:
         stack.stop()

@@ -103,7 +103,7 @@ async def test_killed_executor_converges_on_one_side_effect(stack: Stack) -> Non
         reply = await host.propose(_proposal("send_customer_email", arguments, "op-mail"), ALICE)
         assert reply.state == "awaiting_approval"
         assert reply.decision is not None
-        ledger.approve("op-mail", approver="lead", approver_roles=["support_lead"],
+        ledger.approve("h1/op-mail", approver="lead", approver_roles=["support_lead"],
                        proposal_hash=reply.decision.proposal_hash or "")
         # The first executor sends, then dies before publishing or acking.
         for _ in range(100):
@@ -112,21 +112,21 @@ async def test_killed_executor_converges_on_one_side_effect(stack: Stack) -> Non
             await asyncio.sleep(0.1)
         assert crashing.returncode == 137, (
             stack.log("exec-send_customer_email-0.log"),
-            [(type(e).__name__, getattr(e, "reason", "")) for e in ledger.history("op-mail")],
+            [(type(e).__name__, getattr(e, "reason", "")) for e in ledger.history("h1/op-mail")],
             count_sends(stack.email_db),
         )
-        assert count_sends(stack.email_db, "op-mail") == 1
+        assert count_sends(stack.email_db, "h1/op-mail") == 1
         # A fresh executor gets the redelivered item; the ledger has it reconcile.
         stack.start_executor("send_customer_email")
         status = await host.outcome("op-mail", timeout=60)
     finally:
         await host.close()
     assert status.state == "succeeded", stack.log("service.log")
-    assert count_sends(stack.email_db, "op-mail") == 1
+    assert count_sends(stack.email_db, "h1/op-mail") == 1
     # The provider deduplicates by key anyway; what matters is that the
     # redelivered item never reached it: the ledger had it reconcile instead.
-    assert count_send_requests(stack.email_db, "op-mail") == 1
-    history = [type(e).__name__ for e in ledger.history("op-mail")]
+    assert count_send_requests(stack.email_db, "h1/op-mail") == 1
+    history = [type(e).__name__ for e in ledger.history("h1/op-mail")]
     assert "Reconciled" in history
     assert history.count("LeaseClaimed") == 1
     assert ACK_WAIT_S < 5
@@ -140,7 +140,7 @@ async def test_the_same_result_twice_is_one_outcome(stack: Stack) -> None:
         await host.propose(_proposal("search_documents", {"query": "refunds"}, "op-dup"), ALICE)
         status = await host.outcome("op-dup", timeout=30)
         assert status.result is not None
-        events = len(ledger.history("op-dup"))
+        events = len(ledger.history("h1/op-dup"))
         executor = await connect_as(stack.server.url,
                                     stack.credentials.executor("search_documents"))
         try:
@@ -156,7 +156,7 @@ async def test_the_same_result_twice_is_one_outcome(stack: Stack) -> None:
     finally:
         await host.close()
     assert again.state == "succeeded"
-    assert len(ledger.history("op-dup")) == events
+    assert len(ledger.history("h1/op-dup")) == events
     assert again.outcome == status.outcome
 
 
@@ -169,13 +169,13 @@ async def test_one_result_published_twice_before_it_is_recorded_is_one_outcome(
     executor = await connect_as(stack.server.url, stack.credentials.executor("search_documents"))
     try:
         await host.propose(_proposal("search_documents", {"query": "refunds"}, "op-dup2"), ALICE)
-        request = LeaseRequest(operation_id="op-dup2", executor="test-exec")
+        request = LeaseRequest(operation_id="h1/op-dup2", executor="test-exec")
         answer = await executor.request(Subjects.lease("search_documents"),
                                         request.model_dump_json().encode(), timeout=10)
         lease = LeaseReply.model_validate_json(answer.data)
         assert lease.decision is LeaseDecision.EXECUTE and lease.fencing_token is not None
         envelope = ResultEnvelope.model_validate({
-            "operation_id": "op-dup2", "fencing_token": lease.fencing_token, "ok": True,
+            "operation_id": "h1/op-dup2", "fencing_token": lease.fencing_token, "ok": True,
             "data": {"items": [], "truncated": False},
             "provenance": {"tool": "search_documents", "tool_version": lease.tool_version,
                            "executor": "test-exec", "attempt": lease.attempt,
@@ -193,7 +193,7 @@ async def test_one_result_published_twice_before_it_is_recorded_is_one_outcome(
         await executor.close()
         await host.close()
     assert status.state == "succeeded", stack.log("service.log")
-    history = [type(e).__name__ for e in ledger.history("op-dup2")]
+    history = [type(e).__name__ for e in ledger.history("h1/op-dup2")]
     assert history.count("Succeeded") == 1, history
     assert not {"StaleResultRecorded", "ConflictingOutcomeRecorded"} & set(history), history
 
@@ -243,7 +243,7 @@ async def test_work_longer_than_the_ack_wait_is_not_redelivered_while_it_runs(
     finally:
         await nc.close()
     assert (info.delivered.consumer_seq > 1) is redelivered, info.delivered
-    history = [type(e).__name__ for e in stack.ledger().history("op-slow")]
+    history = [type(e).__name__ for e in stack.ledger().history("h1/op-slow")]
     assert history.count("LeaseClaimed") == 1  # a redelivery while it runs finds the lease busy
 
 
@@ -267,8 +267,8 @@ async def test_a_lost_work_item_is_published_again_and_a_queued_one_is_not(
         await ledger_nc.close()
         await host.close()
     assert status.state == "succeeded", stack.log("service.log")
-    assert "published again: op-lost" in stack.log("service.log")
-    history = [type(e).__name__ for e in stack.ledger().history("op-lost")]
+    assert "published again: h1/op-lost" in stack.log("service.log")
+    history = [type(e).__name__ for e in stack.ledger().history("h1/op-lost")]
     assert history.count("LeaseClaimed") == 1
 
 
@@ -312,7 +312,7 @@ async def test_an_auditor_reads_every_event_from_the_feed_as_the_ledger_stored_i
     for (operation_id, version), record in seen.items():
         if version > 1:  # each event names the hash of its operation's previous one
             assert record["prev_hash"] == seen[(operation_id, version - 1)]["event_hash"]
-    assert {key[0] for key in seen} == {"op-f1", "op-f2"}
+    assert {key[0] for key in seen} == {"h1/op-f1", "h1/op-f2"}
 
 
 async def test_raw_nats_host_without_the_sdk(stack: Stack) -> None:

@@ -129,7 +129,10 @@ async def test_two_ledger_services_on_one_postgres_neither_double_dispatch_nor_r
     resolver, rules = sample_plugins()
     ledger = build_ledger(storage, resolver=resolver, rules=rules)
     try:
-        kinds = Counter(type(e).__name__ for n in range(300) for e in ledger.history(f"op-{n:04d}"))
+        # The host's operation IDs, in the ledger's per-host namespace.
+        kinds = Counter(
+            type(e).__name__ for n in range(300) for e in ledger.history(f"h1/op-{n:04d}")
+        )
         assert kinds["Proposed"] == kinds["LeaseClaimed"] == kinds["Succeeded"] == 300
         assert kinds["StaleResultRecorded"] == kinds["ConflictingOutcomeRecorded"] == 0
         ledger.refresh()

@@ -634,14 +634,6 @@ def test_no_lease_answer_naks_and_runs_nothing() -> None:
     assert calls.run == []
 
 
-def test_a_refused_lease_terminates_the_item() -> None:
-    calls = Calls()
-    ledger = FakeLedger(reply(LeaseDecision.REFUSED, "op-1", READ, fencing_token=None))
-    result = process(processor(returning(READ, READ_OUT, calls)), work_item("op-1", READ), ledger)
-    assert result == ItemDisposition(ItemAction.TERM, "refused")
-    assert calls.run == []
-
-
 @pytest.mark.parametrize(
     ("category", "delivery", "expected"),
     [

@@ -12,6 +12,7 @@ from ledger import (
     ApprovalRefused,
     FindingKind,
     Ledger,
+    LedgerError,
     OperationConflict,
     OperationNotFound,
     OperationState,
@@ -72,12 +73,15 @@ def test_same_id_with_other_arguments_is_a_conflict_and_appends_nothing(ledger: 
     assert len(ledger.history("op-1")) == 3
 
 
-def test_a_batch_with_one_conflict_appends_nothing(ledger: Ledger) -> None:
+def test_a_conflict_in_a_batch_refuses_that_item_alone(ledger: Ledger) -> None:
     ledger.submit(search("op-1"), ALICE)
-    with pytest.raises(OperationConflict):
-        ledger.submit_many([(search("op-2"), ALICE), (search("op-1", query="other"), ALICE)])
-    with pytest.raises(OperationNotFound):
-        ledger.get("op-2")
+    answers = ledger.submit_many(
+        [(search("op-2"), ALICE), (search("op-1", query="other"), ALICE), (search("op-3"), ALICE)]
+    )
+    assert isinstance(answers[1], OperationConflict)
+    assert [a.state for a in answers if not isinstance(a, OperationConflict)] == [S.READY] * 2
+    assert len(ledger.history("op-1")) == 3  # the conflicting call appended nothing
+    assert ledger.get("op-2").state is ledger.get("op-3").state is S.READY
 
 
 def test_rejections_are_recorded_with_their_reasons(ledger: Ledger) -> None:
@@ -398,8 +402,6 @@ def test_verify_with_an_anchored_head(ledger: Ledger) -> None:
 
 
 def test_lease_protocol_converges_after_a_lost_executor(storage: StorageConfig) -> None:
-    from schemas import LeaseDecision
-
     now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
     ledger = make_ledger(storage, clock=lambda: now[0], lease_grace=timedelta(seconds=5))
     ledger.submit(search("op-1"), ALICE)
@@ -433,8 +435,14 @@ def test_an_executor_of_another_tool_can_neither_lease_nor_settle_an_operation(
     ledger: Ledger,
 ) -> None:
     ledger.submit(search("s-1"), ALICE)
-    refused = ledger.lease("s-1", executor="mail-exec", tool="send_customer_email")
-    assert refused.decision is LeaseDecision.REFUSED
+    before = event_types(ledger, "s-1")
+    with pytest.raises(OperationNotFound) as foreign_lease:
+        ledger.lease("s-1", executor="mail-exec", tool="send_customer_email")
+    with pytest.raises(OperationNotFound) as made_up:
+        ledger.lease("s-0", executor="mail-exec", tool="send_customer_email")
+    # Another tool's operation is answered exactly like an ID nobody used.
+    assert _answer(foreign_lease.value, "s-1") == _answer(made_up.value, "s-0")
+    assert event_types(ledger, "s-1") == before
     assert ledger.get("s-1").state is S.READY
     grant = ledger.claim("s-1", executor="exec-1")
     before = event_types(ledger, "s-1")
@@ -446,6 +454,12 @@ def test_an_executor_of_another_tool_can_neither_lease_nor_settle_an_operation(
     assert ledger.get("s-1").state is S.EXECUTING
     assert ledger.record_result(result("s-1", grant.fencing_token)) is ResultDisposition.ACCEPTED
     assert ledger.get("s-1").state is S.SUCCEEDED
+
+
+def _answer(error: Exception, operation_id: str) -> str:
+    """An error as its requester sees it, with the ID it asked about made generic."""
+    assert isinstance(error, LedgerError)
+    return error.to_info().model_dump_json().replace(operation_id, "<id>")
 
 
 def test_status_for_another_host_is_reported_like_a_missing_operation(ledger: Ledger) -> None:

@@ -183,6 +183,9 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
     "schedule_retry": lambda op: op.schedule_retry(not_before=T0, now=T0),
     "request_cancel": lambda op: op.request_cancel(by="alice", reason="", now=T0),
     "confirm_cancelled": lambda op: op.confirm_cancelled(by="e", now=T0),
+    "note_publication_set_aside": lambda op: op.note_publication_set_aside(
+        position=7, version=1, reason="not publishable", now=T0
+    ),
 }
 
 # Where each allowed command leads. Commands that only record (a refused or
@@ -232,6 +235,9 @@ for _state in (
     S.RECONCILING,
 ):
     EXPECTED[(_state, "grant_approval")] = _state
+# The relay's note never changes the state, in any state.
+for _state in S:
+    EXPECTED[(_state, "note_publication_set_aside")] = _state
 
 PAIRS = [(state, command) for state in S for command in COMMANDS]
 
@@ -239,7 +245,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 14 * 15
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 14 * 16
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])
