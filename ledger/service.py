@@ -23,11 +23,13 @@ from eventsourcing.persistence import IntegrityError
 
 from ledger._recent import Recent
 from ledger.adapters.eventstore import EventStoreApp
-from ledger.adapters.results import ResultStore
+from ledger.adapters.results import ResultStore, envelope_text_hash
 from ledger.adapters.sql import SqlDatabase
 from ledger.audit.export import export_jsonl
+from ledger.audit.model import served_result
 from ledger.audit.parallel import LedgerTables, verify_stored
-from ledger.audit.verify import StoredRow, VerificationReport
+from ledger.audit.seal import Sealer, SignedHead
+from ledger.audit.verify import DEFAULT_SEAL_GRACE, StoredRow, VerificationReport
 from ledger.budget import LedgerBudgetCounter
 from ledger.domain.errors import (
     ApprovalRefused,
@@ -154,12 +156,19 @@ class Ledger:
         # times that): 2,000 operations of 512 KiB would be a gigabyte.
         cache_bytes: int = 16 * 1024 * 1024,
         kept_rejected_bytes: int = KEPT_REJECTED_BYTES,
+        results: ResultStore | None = None,
+        sealer: Sealer | None = None,
+        seal_grace: timedelta = DEFAULT_SEAL_GRACE,
     ) -> None:
         self.events = events
         self.db = db
         self.checker = checker
         self.projector = projector or OperationsProjector(db, events.recorder)
-        self.results = ResultStore(db)
+        self.results = results or ResultStore(db)
+        # Only a ledger holding the seal key seals (the service): readers
+        # never write the seal, and a ledger without the key seals nothing.
+        self.sealer = sealer
+        self.seal_grace = seal_grace
         self._budget = budget
         self._clock = clock
         self._new_id = new_id
@@ -207,8 +216,12 @@ class Ledger:
         return str(name).rsplit(".", 1)[-1]
 
     def refresh(self) -> int:
-        """Bring the read models up to date with the event log."""
-        return self.projector.catch_up()
+        """Bring the read models up to date with the event log, and seal it if this
+        ledger holds the seal key; returns how many events the view took in."""
+        projected = self.projector.catch_up()
+        if self.sealer is not None:
+            self.sealer.seal()
+        return projected
 
     # --------------------------------------------------------------- submitting
 
@@ -655,7 +668,10 @@ class Ledger:
         outcome = operation.outcome
         result = None
         if outcome and outcome.get("result_ref"):
-            result = self.results.get(outcome["result_ref"])
+            # Only the exact envelope its event bound (RESULT_INTEGRITY otherwise).
+            reference = outcome["result_ref"]
+            text = self.results.get_text(reference)
+            result = served_result(text, operation.id, reference, outcome)
         return OperationStatus(
             operation_id=operation.id if host is None else asked,
             state=operation.state.value,
@@ -669,18 +685,18 @@ class Ledger:
 
     def record_result(self, envelope: ResultEnvelope) -> ResultDisposition:
         """Record an executor's result; retries a retryable failure when the policy allows."""
-        kept: list[tuple[str, ResultEnvelope]] = []
+        kept: list[tuple[str, str, str]] = []
         disposition = self._update(
             envelope.operation_id, partial(self._apply_result, envelope=envelope, kept=kept)
         )
-        self.results.put_many(kept[-1:])
+        self.results.put_texts(kept[-1:])  # the command's last run is the one saved
         return disposition
 
     def record_results(
         self, envelopes: Sequence[ResultEnvelope]
     ) -> list[ResultDisposition | LedgerError]:
         """Record many results with one append (for batching services)."""
-        kept: list[tuple[str, ResultEnvelope]] = []
+        kept: list[tuple[str, str, str]] = []
         answers = self._batch(
             [
                 (envelope.operation_id, partial(self._apply_result, envelope=envelope, kept=kept))
@@ -688,8 +704,9 @@ class Ledger:
             ]
         )
         # After the events: a kept envelope without its event would be harmless,
-        # an event pointing at no envelope would not.
-        self.results.put_many(kept)
+        # an event pointing at no envelope would not. A command that ran twice
+        # (a lost race) kept twice: its last run is the one saved.
+        self.results.put_texts(list({item[0]: item for item in kept}.values()))
         return answers
 
     def _batch(
@@ -736,9 +753,10 @@ class Ledger:
         self,
         operation: Operation,
         envelope: ResultEnvelope,
-        kept: list[tuple[str, ResultEnvelope]],
+        kept: list[tuple[str, str, str]],
     ) -> ResultDisposition:
-        """Record one result on a loaded operation (no save); `kept` gets its envelope.
+        """Record one result on a loaded operation (no save); `kept` gets its envelope
+        as (reference, operation ID, exact text), when an event binds that text.
 
         A result whose provenance names another tool is REFUSED: the results
         consumer accepts a tool's results only on that tool's subject, which
@@ -752,6 +770,10 @@ class Ledger:
         attempt = envelope.provenance.attempt
         reference = ResultStore.reference(operation.id, attempt)
         output_hash = sha256_hex(canonical_json(envelope.data)) if envelope.data is not None else ""
+        # Encoded once: the event records the hash of exactly the text that is kept.
+        text = ResultStore.encode(envelope)
+        envelope_hash = envelope_text_hash(text)
+        pending = len(operation.pending_events)
         if envelope.ok:
             outcome = "succeeded"
         elif envelope.outcome_unknown:
@@ -770,9 +792,17 @@ class Ledger:
             category=error.category.value if error else "",
             retryable=error.retryable if error else False,
             reason=error.message if error else "",
+            envelope_hash=envelope_hash,
         )
         if disposition is ResultDisposition.ACCEPTED:
-            kept.append((reference, envelope))
+            # Kept only where a settling event names it (not for an unknown
+            # outcome, whose reference a later reconciliation of the same
+            # attempt reuses: the first text kept would win over the bound one).
+            if any(
+                getattr(event, "result_ref", "") == reference
+                for event in operation.pending_events[pending:]
+            ):
+                kept.append((reference, operation.id, text))
             if operation.can_retry:
                 contract = self.contract_of(operation)
                 delay = contract.retry.backoff_ms(operation.attempt) if contract else 0
@@ -845,19 +875,34 @@ class Ledger:
         expected_head: str | None = None,
         workers: int | None = None,
         chunk_size: int | None = None,
+        trusted_keys: Sequence[str] | None = None,
+        seal_grace: timedelta | None = None,
+        anchor: SignedHead | None = None,
     ) -> VerificationReport:
-        """Check every event's hash chain and the sealed global digest.
+        """Check every event's hash chain, the seal and its signatures, the view and
+        the kept results.
+
+        `trusted_keys`: the public keys whose seal signatures count (None:
+        this ledger's own seal key, if it has one); events past the last head
+        they signed that are older than `seal_grace` (None: the ledger's) are
+        findings. `anchor`: a signed head kept earlier (`audit head`).
 
         The tables are read straight from SQL, `chunk_size` positions at a time
         (None: chosen for `workers`), by `workers` processes (None: one per CPU
         for a large ledger, else this one alone; 1: this one alone). The report
         does not depend on either: see `ledger.audit.parallel.verify_stored`.
         """
+        if trusted_keys is None:
+            trusted_keys = [self.sealer.key.public_key] if self.sealer is not None else []
         return verify_stored(
             LedgerTables(self.db.storage, self.events_table),
             expected_head=expected_head,
             workers=workers,
             chunk_size=chunk_size,
+            trusted=trusted_keys,
+            now=self._clock(),
+            grace=self.seal_grace if seal_grace is None else seal_grace,
+            anchor=anchor,
         )
 
     def _stored_ids(self, operation_ids: Iterable[str | None]) -> set[str]:

@@ -11,7 +11,7 @@ from eventsourcing.persistence import Mapper, StoredEvent, Transcoder, Transcodi
 from eventsourcing.utils import get_topic, resolve_topic
 from pydantic import BaseModel
 
-from ledger.adapters.storage import StorageConfig
+from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 from ledger.domain.events import LedgerEvent, encoded_event, remember_stored_form
 
 __all__ = ["EventStoreApp", "OrjsonTranscoder", "PydanticMapper"]
@@ -70,6 +70,12 @@ class EventStoreApp(Application[str]):
     def __init__(self, storage: StorageConfig) -> None:
         self.storage = storage
         super().__init__(env=storage.eventsourcing_env())
+        if storage.read_only and storage.is_postgres:
+            # The library's pool takes no session options from the environment;
+            # it opens its first connection only when asked for one, so the
+            # option set here is on every connection it makes.
+            pool = getattr(self.factory, "datastore").pool  # noqa: B009 (untyped in the library)
+            pool.kwargs = {**(pool.kwargs or {}), "options": READ_ONLY_OPTIONS}
 
     def construct_mapper(self) -> Mapper[str]:
         """Pydantic events as JSON."""

@@ -2,7 +2,11 @@
 
 Tool output can hold personal data; keeping it out of the append-only event
 stream means it can be access-controlled and deleted by retention rules
-without breaking the hash chain.
+without breaking the hash chain. What is kept is the exact text whose SHA-256
+the settling event records (`envelope_hash`): the ledger encodes an envelope
+once, hashes that string and stores that same string, so a changed byte in
+this table no longer matches its event (`Ledger.status` refuses to serve it,
+`opledger audit verify` names it).
 """
 
 from __future__ import annotations
@@ -12,25 +16,38 @@ from collections.abc import Sequence
 import orjson
 
 from ledger.adapters.sql import SqlDatabase
-from schemas import ResultEnvelope
+from schemas import ResultEnvelope, sha256_hex
 
-__all__ = ["ResultStore"]
+__all__ = ["RESULTS_TABLE", "ResultStore", "envelope_text_hash"]
+
+RESULTS_TABLE = "opledger_results"
+
+
+def envelope_text_hash(text: str) -> str:
+    """The SHA-256 of a kept envelope's exact text (what `envelope_hash` records)."""
+    return sha256_hex(text.encode())
 
 
 class ResultStore:
     """Result envelopes keyed by reference (`result:<operation>:<attempt>`)."""
 
-    def __init__(self, db: SqlDatabase) -> None:
+    def __init__(self, db: SqlDatabase, *, create: bool = True) -> None:
         self._db = db
-        db.execute(
-            "CREATE TABLE IF NOT EXISTS opledger_results ("
-            " result_ref TEXT PRIMARY KEY, operation_id TEXT NOT NULL, envelope TEXT NOT NULL)"
-        )
+        if create:
+            db.execute(
+                f"CREATE TABLE IF NOT EXISTS {RESULTS_TABLE} ("
+                " result_ref TEXT PRIMARY KEY, operation_id TEXT NOT NULL, envelope TEXT NOT NULL)"
+            )
 
     @staticmethod
     def reference(operation_id: str, attempt: int) -> str:
         """The reference of one attempt's result."""
         return f"result:{operation_id}:{attempt}"
+
+    @staticmethod
+    def encode(envelope: ResultEnvelope) -> str:
+        """The text an envelope is kept as (hash exactly this string)."""
+        return envelope.model_dump_json()
 
     def put(self, reference: str, envelope: ResultEnvelope) -> None:
         """Keep an envelope; the first one for a reference wins."""
@@ -38,18 +55,27 @@ class ResultStore:
 
     def put_many(self, items: Sequence[tuple[str, ResultEnvelope]]) -> None:
         """Keep many envelopes in one transaction; the first one for a reference wins."""
+        self.put_texts([(ref, env.operation_id, self.encode(env)) for ref, env in items])
+
+    def put_texts(self, items: Sequence[tuple[str, str, str]]) -> None:
+        """Keep (reference, operation ID, exact envelope text) rows; the first one wins."""
         if not items:
             return
         with self._db.transaction():
             self._db.executemany(
-                "INSERT INTO opledger_results (result_ref, operation_id, envelope)"
+                f"INSERT INTO {RESULTS_TABLE} (result_ref, operation_id, envelope)"
                 " VALUES (?, ?, ?) ON CONFLICT (result_ref) DO NOTHING",
-                [(ref, env.operation_id, env.model_dump_json()) for ref, env in items],
+                items,
             )
 
-    def get(self, reference: str) -> ResultEnvelope | None:
-        """The envelope under `reference`, if kept."""
+    def get_text(self, reference: str) -> str | None:
+        """The exact text kept under `reference`, if any."""
         rows = self._db.query(
-            "SELECT envelope FROM opledger_results WHERE result_ref = ?", (reference,)
+            f"SELECT envelope FROM {RESULTS_TABLE} WHERE result_ref = ?", (reference,)
         )
-        return ResultEnvelope.model_validate(orjson.loads(rows[0][0])) if rows else None
+        return str(rows[0][0]) if rows else None
+
+    def get(self, reference: str) -> ResultEnvelope | None:
+        """The envelope under `reference`, if kept (unchecked: see `Ledger.status`)."""
+        text = self.get_text(reference)
+        return ResultEnvelope.model_validate(orjson.loads(text)) if text is not None else None

@@ -15,21 +15,41 @@ from typing import Any
 
 import psycopg
 
-from ledger.adapters.storage import StorageConfig
+from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 
 __all__ = ["SqlDatabase"]
 
 
 class SqlDatabase:
-    """One connection, used by one thread at a time (a lock makes that so)."""
+    """One connection, used by one thread at a time (a lock makes that so).
+
+    With a read-only `storage` the connection cannot write, and opening it
+    creates nothing (no folder, file, schema or table).
+    """
 
     def __init__(self, storage: StorageConfig) -> None:
         self.storage = storage
         self.is_postgres = storage.is_postgres
+        self.read_only = storage.read_only
         self._lock = threading.RLock()
         self._depth = 0
         self._conn: sqlite3.Connection | psycopg.Connection[Any]
-        if storage.sqlite_path is not None:
+        if storage.sqlite_path is not None and storage.read_only:
+            self._conn = sqlite3.connect(
+                storage.sqlite_uri(),
+                uri=True,
+                check_same_thread=False,
+                timeout=10,
+                isolation_level=None,
+            )
+        elif storage.read_only:
+            pg = psycopg.connect(
+                storage.postgres_dsn or "", autocommit=True, options=READ_ONLY_OPTIONS
+            )
+            if storage.postgres_schema:
+                pg.execute(f'SET search_path TO "{storage.postgres_schema}"')
+            self._conn = pg
+        elif storage.sqlite_path is not None:
             storage.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(
                 storage.sqlite_path, check_same_thread=False, timeout=10, isolation_level=None
@@ -107,6 +127,17 @@ class SqlDatabase:
         with self._lock:
             cursor = self._conn.execute(self._sql(statement), params)
             return [tuple(row) for row in cursor.fetchall()]
+
+    def tables(self) -> set[str]:
+        """The names of the tables this connection sees (in its schema, for PostgreSQL)."""
+        if self.is_postgres:
+            rows = self.query(
+                "SELECT table_name FROM information_schema.tables"
+                " WHERE table_schema = current_schema()"
+            )
+        else:
+            rows = self.query("SELECT name FROM sqlite_master WHERE type = 'table'")
+        return {str(row[0]) for row in rows}
 
     def query_in(
         self, statement: str, values: Sequence[Any], *, chunk: int = 500

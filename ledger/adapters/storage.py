@@ -8,23 +8,32 @@ connection for the SQL read models that live beside the events.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["StorageConfig"]
+__all__ = ["READ_ONLY_OPTIONS", "StorageConfig"]
+
+READ_ONLY_OPTIONS = "-c default_transaction_read_only=on"
+"""libpq `options` for a PostgreSQL session in which every transaction is read-only."""
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
-    """Either `sqlite_path` or `postgres_dsn` (with an optional schema) is set."""
+    """Either `sqlite_path` or `postgres_dsn` (with an optional schema) is set.
+
+    `read_only`: every connection made from this configuration can only read
+    (SQLite `mode=ro`, PostgreSQL read-only transactions), creates no file,
+    folder, schema or table. For the commands that only look.
+    """
 
     sqlite_path: Path | None = None
     postgres_dsn: str | None = None
     postgres_schema: str = ""
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         if (self.sqlite_path is None) == (self.postgres_dsn is None):
@@ -47,6 +56,25 @@ class StorageConfig:
         """Whether this is the PostgreSQL backend."""
         return self.postgres_dsn is not None
 
+    def reading(self) -> StorageConfig:
+        """The same storage, opened read-only."""
+        return replace(self, read_only=True)
+
+    @property
+    def events_table(self) -> str:
+        """The events table the `eventsourcing` recorders use for this backend.
+
+        The library names it, not us: `stored_events` in SQLite, the
+        application's name plus `_events` in PostgreSQL.
+        """
+        return "opledger_events" if self.is_postgres else "stored_events"
+
+    def sqlite_uri(self) -> str:
+        """The SQLite file as a URI, read-only when this configuration is."""
+        assert self.sqlite_path is not None
+        uri = self.sqlite_path.resolve().as_uri()
+        return uri + "?mode=ro" if self.read_only else uri
+
     def describe(self) -> str:
         """Where the events are, without any password."""
         if self.sqlite_path is not None:
@@ -59,7 +87,17 @@ class StorageConfig:
     def eventsourcing_env(self) -> dict[str, str]:
         """The environment for `eventsourcing.Application` (string operation IDs)."""
         env = {"ORIGINATOR_ID_TYPE": "text"}
+        if self.read_only:
+            env["CREATE_TABLE"] = "no"
         if self.sqlite_path is not None:
+            if self.read_only:
+                # The library connects with `uri=True`: a read-only URI it is.
+                env |= {
+                    "PERSISTENCE_MODULE": "eventsourcing.sqlite",
+                    "SQLITE_DBNAME": self.sqlite_uri(),
+                    "SQLITE_LOCK_TIMEOUT": "10",
+                }
+                return env
             self.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
             env |= {
                 "PERSISTENCE_MODULE": "eventsourcing.sqlite",

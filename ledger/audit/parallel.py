@@ -22,6 +22,13 @@ than a few chunks of rows at a time.
 A verification sees the ledger as it was when it started: every chunk reads
 only up to the last event and the last seal row that existed then, so events
 appended meanwhile are neither checked nor reported.
+
+The seal's signatures are keyed by position too and are checked chunk by
+chunk with the seal rows they sign. Which head is the last one a trusted key
+signed is decided first, in this process (usually one signature check: the
+newest), since every chunk needs it to tell the events past it. The view and
+the kept results are checked in one more pass, by operation rather than by
+position (`ledger.audit.model`), in one snapshot of its own.
 """
 
 from __future__ import annotations
@@ -36,31 +43,42 @@ from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.util import Finalize
 from typing import Any
 
 import psycopg
 
-from ledger.adapters.storage import StorageConfig
+from ledger.adapters.results import RESULTS_TABLE
+from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
+from ledger.audit.model import verify_model
+from ledger.audit.seal import DIGEST_TABLE, SIGNATURES_TABLE, SignedHead, TrustedKeys
 from ledger.audit.verify import (
+    DEFAULT_SEAL_GRACE,
     ChunkSummary,
+    SealPolicy,
     SealRow,
+    SignatureRow,
     StoredRow,
     VerificationReport,
+    check_anchor,
+    find_signed_head,
     stitch,
     verify_chunk,
 )
+from ledger.projections.operations_view import ROW_COLUMNS, VIEW_NAME
 
 __all__ = [
     "COLD_START_THRESHOLD",
     "DEFAULT_CHUNK_SIZE",
     "PARALLEL_THRESHOLD",
     "LedgerTables",
+    "trusted_head",
     "verify_stored",
 ]
 
-SEAL_TABLE = "opledger_digest"
+SEAL_TABLE = DIGEST_TABLE
 
 DEFAULT_CHUNK_SIZE = 10_000
 """Positions per chunk: small enough to bound each process's memory and to
@@ -115,6 +133,11 @@ class _Bounds:
     """The last sealed position (0: none)."""
     span: int
     """Positions from the first positive one to the last: about the number of events."""
+    last_signature: int = 0
+    """The last signed position (0: none)."""
+    has_seal: bool = True
+    has_signatures: bool = True
+    """Whether those tables exist (a ledger from before signatures has none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +146,7 @@ class _Plan:
 
     bounds: _Bounds
     chunks: tuple[_Chunk, ...]
+    policy: SealPolicy | None = None
 
 
 def verify_stored(
@@ -131,6 +155,11 @@ def verify_stored(
     expected_head: str | None = None,
     workers: int | None = None,
     chunk_size: int | None = None,
+    trusted: Sequence[str] | None = None,
+    now: datetime | None = None,
+    grace: timedelta = DEFAULT_SEAL_GRACE,
+    anchor: SignedHead | None = None,
+    model: bool = True,
 ) -> VerificationReport:
     """Verify the ledger in `tables`, at most `chunk_size` positions at a time.
 
@@ -147,6 +176,12 @@ def verify_stored(
     from a fork server (which, like any multiprocessing "spawn", imports the
     main module unless it is a package's `__main__`: a script that verifies
     from a threaded process needs the `if __name__ == "__main__"` guard).
+
+    `trusted`: the public keys whose seal signatures count (None: signatures
+    are not looked at, the digest chain alone is checked); events past the
+    last trusted head older than `grace` before `now`, or dated more than
+    `grace` after it, are findings. `anchor`: a head kept earlier, which the
+    seal must still hold. `model`: check the view and the kept results too.
     """
     if workers is not None and workers < 1:
         raise ValueError("workers must be at least 1")
@@ -156,6 +191,16 @@ def verify_stored(
         reader = _Reader(tables.storage)
         try:
             bounds = _bounds(reader, tables)
+            signed: SignedHead | None = None
+            policy: SealPolicy | None = None
+            if trusted is not None:
+                signed = _signed_head(reader, TrustedKeys(trusted), bounds)
+                policy = SealPolicy(
+                    tuple(trusted),
+                    signed.position if signed is not None else 0,
+                    now or datetime.now(UTC),
+                    grace,
+                )
             method = _start_method()
             if workers is None:
                 cold = method == "forkserver" and not _forkserver_started
@@ -163,29 +208,125 @@ def verify_stored(
                 workers = _cpus() if bounds.span >= threshold else 1
             if method is None:
                 workers = 1
-            if chunk_size is None:
-                chunk_size = max(
-                    _MIN_CHUNK_SIZE, min(DEFAULT_CHUNK_SIZE, bounds.span // (4 * workers))
+            # In parallel, the view and results pass (by operation, not by
+            # position) runs in a process of its own beside the chunks.
+            beside = _start_model(tables.storage, method) if model and workers > 1 else None
+            try:
+                report = _verify_chunks(
+                    reader, bounds, workers, method, chunk_size, policy, signed, expected_head
                 )
-            plan = _plan(reader, bounds, chunk_size)
-            workers = min(workers, len(plan.chunks))
-
-            def locate(hashes: Collection[str]) -> dict[str, int]:
-                return _locate(reader, hashes, plan.bounds.last_sealed)
-
-            if workers <= 1:
-                last_sealed = plan.bounds.last_sealed
-                alone = (
-                    (verify_chunk(rows, seal, last_sealed) for rows, seal in _read_ahead(plan))
-                    if tables.storage.is_postgres and len(plan.chunks) > 1
-                    else (_verify_range(reader, plan, chunk) for chunk in plan.chunks)
-                )
-                return stitch(alone, locate, expected_head=expected_head)
-            assert method is not None
-            shared = _shared(reader, plan, workers - 1, method)
-            return stitch(shared, locate, expected_head=expected_head)
+                if anchor is not None:
+                    digest = _sealed_digest(reader, bounds, anchor.position)
+                    report.findings.extend(check_anchor(anchor, digest, signed))
+                if model:
+                    summary = (
+                        beside[1].result() if beside is not None else _verify_model(tables.storage)
+                    )
+                    report.findings.extend(summary.findings)
+                    report.view_rows_checked = summary.view_rows
+                    report.results_checked = summary.results
+            finally:
+                if beside is not None:
+                    beside[0].shutdown(wait=True, cancel_futures=True)
+            return report
         finally:
             reader.close()
+
+
+def _start_model(
+    storage: StorageConfig, method: str | None
+) -> tuple[ProcessPoolExecutor, Future[Any]] | None:
+    """The view and results pass, started in a process of its own (None: cannot)."""
+    if method is None:
+        return None
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload([__name__])
+    pool = ProcessPoolExecutor(1, mp_context=context, initializer=gc.disable)
+    return pool, pool.submit(_verify_model, storage)
+
+
+def _verify_chunks(
+    reader: _Reader,
+    bounds: _Bounds,
+    workers: int,
+    method: str | None,
+    chunk_size: int | None,
+    policy: SealPolicy | None,
+    signed: SignedHead | None,
+    expected_head: str | None,
+) -> VerificationReport:
+    """The chunked part: events, the seal and its signatures, position by position.
+
+    `workers` and `method` as `verify_stored` resolved them (how many processes,
+    started how), before anything else started a thread or a process.
+    """
+    if chunk_size is None:
+        chunk_size = max(
+            _MIN_CHUNK_SIZE, min(DEFAULT_CHUNK_SIZE, bounds.span // (4 * workers))
+        )
+    plan = _plan(reader, bounds, chunk_size, policy)
+    workers = min(workers, len(plan.chunks))
+
+    def locate(hashes: Collection[str]) -> dict[str, int]:
+        return _locate(reader, hashes, plan.bounds.last_sealed)
+
+    if workers <= 1:
+        alone = (
+            (_verify_read(plan, *read) for read in _read_ahead(plan))
+            if bounds.tables.storage.is_postgres and len(plan.chunks) > 1
+            else (_verify_range(reader, plan, chunk) for chunk in plan.chunks)
+        )
+        return stitch(
+            alone, locate, expected_head=expected_head, policy=policy, signed_head=signed
+        )
+    assert method is not None
+    shared = _shared(reader, plan, workers - 1, method)
+    return stitch(
+        shared, locate, expected_head=expected_head, policy=policy, signed_head=signed
+    )
+
+
+def trusted_head(tables: LedgerTables, trusted: Sequence[str]) -> SignedHead | None:
+    """The last head one of the `trusted` keys signed whose digest is the seal's there."""
+    reader = _Reader(tables.storage)
+    try:
+        return _signed_head(reader, TrustedKeys(trusted), _bounds(reader, tables))
+    finally:
+        reader.close()
+
+
+def _signed_head(reader: _Reader, trusted: TrustedKeys, bounds: _Bounds) -> SignedHead | None:
+    """The last head a trusted key signed whose digest is the seal's (newest first, paged)."""
+    if not bounds.has_signatures or not bounds.has_seal:
+        return None
+    below = bounds.last_signature + 1
+    while True:
+        rows: list[SignatureRow] = [
+            (int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
+            for r in reader.query(
+                "SELECT position, running_digest, sealed_at, public_key, signature"
+                f" FROM {SIGNATURES_TABLE} WHERE position < ? ORDER BY position DESC LIMIT 100",
+                (below,),
+            )
+        ]
+        if not rows:
+            return None
+        head = find_signed_head(
+            rows, lambda position: _sealed_digest(reader, bounds, position), trusted
+        )
+        if head is not None:
+            return head
+        below = rows[-1][0]
+
+
+def _sealed_digest(reader: _Reader, bounds: _Bounds, position: int) -> str | None:
+    if not bounds.has_seal:
+        return None
+    rows = reader.query(
+        f"SELECT running_digest FROM {SEAL_TABLE} WHERE notification_id = ?", (position,)
+    )
+    return str(rows[0][0]) if rows else None
 
 
 def _cpus() -> int:
@@ -295,70 +436,115 @@ def _claim(claimed: Synchronized[int], total: int) -> int | None:
 def _bounds(reader: _Reader, tables: LedgerTables) -> _Bounds:
     """The ledger's extent now. MIN and MAX of a primary key are index look-ups, not scans."""
     position, events = tables.position_column, tables.events_table
+    present = reader.tables()
+    has_seal, has_signatures = SEAL_TABLE in present, SIGNATURES_TABLE in present
     ((last_event,),) = reader.query(f"SELECT MAX({position}) FROM {events}", ())
-    ((last_sealed,),) = reader.query(f"SELECT MAX(notification_id) FROM {SEAL_TABLE}", ())
+    last_sealed = last_signature = None
+    if has_seal:
+        ((last_sealed,),) = reader.query(f"SELECT MAX(notification_id) FROM {SEAL_TABLE}", ())
+    if has_signatures:
+        ((last_signature,),) = reader.query(f"SELECT MAX(position) FROM {SIGNATURES_TABLE}", ())
     ((first,),) = reader.query(f"SELECT MIN({position}) FROM {events} WHERE {position} > 0", ())
     last_event = int(last_event) if last_event is not None else 0
     last_sealed = int(last_sealed) if last_sealed is not None else 0
+    last_signature = int(last_signature) if last_signature is not None else 0
     # Forged rows at zero or below do not count: there are none in a sound ledger.
     span = max(last_event, last_sealed) - (int(first) if first is not None else 1) + 1
-    return _Bounds(tables, last_event, last_sealed, max(span, 0))
+    return _Bounds(
+        tables,
+        last_event,
+        last_sealed,
+        max(span, 0),
+        last_signature,
+        has_seal,
+        has_signatures,
+    )
 
 
-def _plan(reader: _Reader, bounds: _Bounds, chunk_size: int) -> _Plan:
-    """Consecutive chunks covering every event and seal row within `bounds`.
+def _plan(
+    reader: _Reader, bounds: _Bounds, chunk_size: int, policy: SealPolicy | None = None
+) -> _Plan:
+    """Consecutive chunks covering every event, seal row and signature within `bounds`.
 
     The first chunk has no lower bound, so a row at any position (even the
     lowest 64-bit integer) is read. A chunk starts at the next position that
-    holds an event or a seal row, so a forged row far from the others (at the
-    highest 64-bit integer, say) adds one chunk, not a chunk per empty range.
+    holds an event, a seal row or a signature, so a forged row far from the
+    others (at the highest 64-bit integer, say) adds one chunk, not a chunk
+    per empty range.
     """
     position, events = bounds.tables.position_column, bounds.tables.events_table
-    top = max(bounds.last_event, bounds.last_sealed)
+    top = max(bounds.last_event, bounds.last_sealed, bounds.last_signature)
+    tables = [(events, position)]
+    if bounds.has_seal:
+        tables.append((SEAL_TABLE, "notification_id"))
+    if bounds.has_signatures:
+        tables.append((SIGNATURES_TABLE, "position"))
     chunks: list[_Chunk] = []
     after: int | None = None
     while True:
-        above = f"WHERE {position} > ?" if after is not None else ""
-        sealed_above = "WHERE notification_id > ?" if after is not None else ""
         since = (after,) if after is not None else ()
-        ((next_event,),) = reader.query(f"SELECT MIN({position}) FROM {events} {above}", since)
-        ((next_sealed,),) = reader.query(
-            f"SELECT MIN(notification_id) FROM {SEAL_TABLE} {sealed_above}", since
-        )
-        start = min((int(at) for at in (next_event, next_sealed) if at is not None), default=None)
+        nexts = []
+        for table, column in tables:
+            above = f"WHERE {column} > ?" if after is not None else ""
+            ((at,),) = reader.query(f"SELECT MIN({column}) FROM {table} {above}", since)
+            nexts.append(at)
+        start = min((int(at) for at in nexts if at is not None), default=None)
         if start is None or start > top:
-            return _Plan(bounds, tuple(chunks))
+            return _Plan(bounds, tuple(chunks), policy)
         upto = min(start + chunk_size - 1, top)
         chunks.append(_Chunk(after, upto))
         after = upto
 
 
+_Read = tuple[Sequence[StoredRow], Sequence[SealRow], Sequence[SignatureRow]]
+
+
 def _verify_range(reader: _Reader, plan: _Plan, chunk: _Chunk) -> ChunkSummary:
-    return verify_chunk(*_read_range(reader, plan, chunk), plan.bounds.last_sealed)
+    return _verify_read(plan, *_read_range(reader, plan, chunk))
 
 
-def _read_range(
-    reader: _Reader, plan: _Plan, chunk: _Chunk
-) -> tuple[Sequence[StoredRow], Sequence[SealRow]]:
-    """The rows and the seal rows of one chunk, each in position order."""
+def _verify_read(
+    plan: _Plan,
+    rows: Sequence[StoredRow],
+    seal: Sequence[SealRow],
+    signatures: Sequence[SignatureRow],
+) -> ChunkSummary:
+    return verify_chunk(
+        rows, seal, plan.bounds.last_sealed, signatures=signatures, policy=plan.policy
+    )
+
+
+def _read_range(reader: _Reader, plan: _Plan, chunk: _Chunk) -> _Read:
+    """The rows, the seal rows and the signatures of one chunk, each in position order."""
     position, bounds = plan.bounds.tables.position_column, plan.bounds
     lower = f"{position} > ? AND " if chunk.after is not None else ""
     sealed_lower = "notification_id > ? AND " if chunk.after is not None else ""
+    signed_lower = "position > ? AND " if chunk.after is not None else ""
     bound = (chunk.after,) if chunk.after is not None else ()
     rows: Sequence[StoredRow] = reader.query(  # (int, str, int, str, bytes)
         f"SELECT {position}, originator_id, originator_version, topic, state"
         f" FROM {bounds.tables.events_table} WHERE {lower}{position} <= ? ORDER BY {position}",
         (*bound, min(chunk.upto, bounds.last_event)),
     )
-    seal: Sequence[SealRow] = reader.query(  # (int, str, int, str, str)
-        "SELECT notification_id, operation_id, version, event_hash, running_digest"
-        f" FROM {SEAL_TABLE} WHERE {sealed_lower}notification_id <= ? ORDER BY notification_id",
-        (*bound, min(chunk.upto, bounds.last_sealed)),
-    )
-    return rows, seal
+    seal: Sequence[SealRow] = ()
+    if bounds.has_seal:
+        seal = reader.query(  # (int, str, int, str, str)
+            "SELECT notification_id, operation_id, version, event_hash, running_digest"
+            f" FROM {SEAL_TABLE} WHERE {sealed_lower}notification_id <= ?"
+            " ORDER BY notification_id",
+            (*bound, min(chunk.upto, bounds.last_sealed)),
+        )
+    signatures: Sequence[SignatureRow] = ()
+    if bounds.has_signatures and plan.policy is not None:
+        signatures = reader.query(  # (int, str, str, str, str)
+            "SELECT position, running_digest, sealed_at, public_key, signature"
+            f" FROM {SIGNATURES_TABLE} WHERE {signed_lower}position <= ? ORDER BY position",
+            (*bound, min(chunk.upto, bounds.last_signature)),
+        )
+    return rows, seal, signatures
 
 
-def _read_ahead(plan: _Plan) -> Iterator[tuple[Sequence[StoredRow], Sequence[SealRow]]]:
+def _read_ahead(plan: _Plan) -> Iterator[_Read]:
     """Every chunk's rows and seal rows in order, the next read while this one is checked.
 
     For PostgreSQL: a query's rows arrive only after the server has produced
@@ -367,12 +553,10 @@ def _read_ahead(plan: _Plan) -> Iterator[tuple[Sequence[StoredRow], Sequence[Sea
     made one-process verification about 30% faster here. Not for SQLite: its
     reads hold the GIL, and there it made verification slower.
     """
-    ahead: queue.Queue[tuple[Sequence[StoredRow], Sequence[SealRow]] | BaseException] = queue.Queue(
-        maxsize=1
-    )
+    ahead: queue.Queue[_Read | BaseException] = queue.Queue(maxsize=1)
     stop = threading.Event()
 
-    def hand_over(item: tuple[Sequence[StoredRow], Sequence[SealRow]] | BaseException) -> bool:
+    def hand_over(item: _Read | BaseException) -> bool:
         while not stop.is_set():  # the consumer may have given up
             try:
                 ahead.put(item, timeout=0.1)
@@ -423,16 +607,27 @@ def _locate(reader: _Reader, hashes: Collection[str], last_sealed: int) -> dict[
 
 
 class _Reader:
-    """A read-only connection of one process's own."""
+    """A read-only connection of one process's own.
 
-    def __init__(self, storage: StorageConfig) -> None:
+    `snapshot`: every query sees the database as of the first one (one
+    read-only transaction until `close`), and `stream` may be used.
+    """
+
+    def __init__(self, storage: StorageConfig, *, snapshot: bool = False) -> None:
         self._sqlite: sqlite3.Connection | None = None
         self._postgres: psycopg.Connection[Any] | None = None
+        self._streams = 0
         if storage.sqlite_path is not None:
             uri = storage.sqlite_path.resolve().as_uri() + "?mode=ro"
             self._sqlite = sqlite3.connect(uri, uri=True, timeout=10, isolation_level=None)
+            if snapshot:
+                self._sqlite.execute("BEGIN")
             return
-        self._postgres = psycopg.connect(storage.postgres_dsn or "", autocommit=True)
+        self._postgres = psycopg.connect(
+            storage.postgres_dsn or "", autocommit=not snapshot, options=READ_ONLY_OPTIONS
+        )
+        if snapshot:
+            self._postgres.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         if storage.postgres_schema:
             self._postgres.execute(f'SET search_path TO "{storage.postgres_schema}"')
 
@@ -447,12 +642,76 @@ class _Reader:
         cursor = self._postgres.cursor(binary=True)
         return cursor.execute(statement.replace("?", "%s"), params).fetchall()
 
+    def stream(
+        self, statement: str, params: Sequence[Any] = (), size: int = 2_000
+    ) -> Iterator[tuple[Any, ...]]:
+        """The rows of one query, `size` at a time (several streams may be open at once)."""
+        if self._sqlite is not None:
+            cursor = self._sqlite.execute(statement, params)
+            while rows := cursor.fetchmany(size):
+                yield from rows
+            return
+        assert self._postgres is not None
+        self._streams += 1
+        # A server-side cursor: the server keeps the rows, not this process.
+        with self._postgres.cursor(name=f"opledger_verify_{self._streams}", binary=True) as cur:
+            cur.itersize = size
+            cur.execute(statement.replace("?", "%s"), params)
+            yield from cur
+
+    def tables(self) -> set[str]:
+        """The tables this connection sees (in its schema, for PostgreSQL)."""
+        if self._sqlite is not None:
+            rows = self.query("SELECT name FROM sqlite_master WHERE type = 'table'", ())
+        else:
+            rows = self.query(
+                "SELECT table_name FROM information_schema.tables"
+                " WHERE table_schema = current_schema()",
+                (),
+            )
+        return {str(row[0]) for row in rows}
+
     def close(self) -> None:
         """Close the connection."""
         if self._sqlite is not None:
             self._sqlite.close()
         if self._postgres is not None:
             self._postgres.close()
+
+
+def _verify_model(storage: StorageConfig) -> Any:
+    """The view and the kept results against the events, in one snapshot, by operation."""
+    reader = _Reader(storage, snapshot=True)
+    try:
+        present = reader.tables()
+        position_column = "notification_id" if storage.is_postgres else "rowid"
+        # Code point order in both: SQLite's default; PostgreSQL's only with "C".
+        collate = ' COLLATE "C"' if storage.is_postgres else ""
+        view_position = 0
+        if "opledger_positions" in present:
+            rows = reader.query(
+                "SELECT position FROM opledger_positions WHERE name = ?", (VIEW_NAME,)
+            )
+            view_position = int(rows[0][0]) if rows else 0
+        events = reader.stream(
+            f"SELECT {position_column}, originator_id, originator_version, topic, state"
+            f" FROM {storage.events_table} ORDER BY originator_id{collate}, originator_version"
+        )
+        view: Iterator[tuple[Any, ...]] = iter(())
+        if "opledger_operations" in present:
+            view = reader.stream(
+                f"SELECT {', '.join(ROW_COLUMNS)} FROM opledger_operations"
+                f" ORDER BY operation_id{collate}"
+            )
+        results: Iterator[Any] = iter(())
+        if RESULTS_TABLE in present:
+            results = reader.stream(
+                f"SELECT result_ref, operation_id, envelope FROM {RESULTS_TABLE}"
+                f" ORDER BY operation_id{collate}, result_ref{collate}"
+            )
+        return verify_model(events, view, results, view_position=view_position)
+    finally:
+        reader.close()
 
 
 # ------------------------------------------------------------------ workers

@@ -11,6 +11,7 @@ __all__ = [
     "LedgerError",
     "OperationConflict",
     "OperationNotFound",
+    "ResultIntegrityError",
     "TamperDetected",
 ]
 
@@ -63,3 +64,10 @@ class TamperDetected(LedgerError):
 
     category = ErrorCategory.INTERNAL
     code = "TAMPER_DETECTED"
+
+
+class ResultIntegrityError(LedgerError):
+    """A kept result envelope does not hash to what its event recorded: never served."""
+
+    category = ErrorCategory.INTERNAL
+    code = "RESULT_INTEGRITY"

@@ -307,6 +307,8 @@ class Operation(BaseAggregate[str]):
         executor: str
         output_hash: str
         result_ref: str
+        envelope_hash: str = ""
+        """SHA-256 of the exact envelope text kept under `result_ref` ("" before it existed)."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.SUCCEEDED
@@ -317,6 +319,8 @@ class Operation(BaseAggregate[str]):
                 "result_ref": self.result_ref,
                 "attempt": self.attempt,
             }
+            if self.envelope_hash:
+                aggregate.outcome["envelope_hash"] = self.envelope_hash
 
     class Failed(Event):
         """The tool reported a failure (or its result broke the output contract)."""
@@ -328,6 +332,8 @@ class Operation(BaseAggregate[str]):
         category: str
         retryable: bool
         result_ref: str = ""
+        envelope_hash: str = ""
+        """SHA-256 of the exact envelope text kept under `result_ref` ("" before it existed)."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.FAILED
@@ -370,6 +376,8 @@ class Operation(BaseAggregate[str]):
         code: str = ""
         category: str = ""
         retryable: bool = False
+        envelope_hash: str = ""
+        """SHA-256 of the exact envelope text kept under `result_ref`, when one was kept."""
 
         def apply_to(self, aggregate: Any) -> None:
             if self.outcome == "succeeded":
@@ -381,6 +389,8 @@ class Operation(BaseAggregate[str]):
                     "attempt": aggregate.attempt,
                     "reconciled": True,
                 }
+                if self.envelope_hash:
+                    aggregate.outcome["envelope_hash"] = self.envelope_hash
             else:
                 aggregate.state = S.FAILED
                 aggregate.outcome = {
@@ -752,8 +762,13 @@ class Operation(BaseAggregate[str]):
         category: str = "",
         retryable: bool = False,
         reason: str = "",
+        envelope_hash: str = "",
     ) -> ResultDisposition:
-        """Take an executor's report; duplicates converge, stale and late ones are only noted."""
+        """Take an executor's report; duplicates converge, stale and late ones are only noted.
+
+        `envelope_hash` binds the envelope kept under `result_ref` to the event
+        that settles the outcome (Succeeded, Failed or Reconciled).
+        """
         self._guard("record_result")
         if fencing_token != self.fencing_token or self.fencing_token == 0:
             self._trigger(
@@ -772,7 +787,15 @@ class Operation(BaseAggregate[str]):
                 self._trigger(self.ReconciliationInconclusive, now, by=executor, reason=reason)
                 return ResultDisposition.ACCEPTED
             self._reconcile(
-                outcome, executor, now, output_hash, result_ref, code, category, retryable
+                outcome,
+                executor,
+                now,
+                output_hash,
+                result_ref,
+                code,
+                category,
+                retryable,
+                envelope_hash=envelope_hash,
             )
             return ResultDisposition.ACCEPTED
         if outcome == "succeeded":
@@ -786,6 +809,7 @@ class Operation(BaseAggregate[str]):
                 executor=executor,
                 output_hash=output_hash,
                 result_ref=result_ref,
+                envelope_hash=envelope_hash,
             )
         elif outcome == "failed":
             self._trigger(
@@ -798,6 +822,7 @@ class Operation(BaseAggregate[str]):
                 category=category,
                 retryable=retryable,
                 result_ref=result_ref,
+                envelope_hash=envelope_hash,
             )
         else:
             self._trigger(
@@ -845,10 +870,21 @@ class Operation(BaseAggregate[str]):
         code: str = "",
         category: str = "",
         retryable: bool = False,
+        envelope_hash: str = "",
     ) -> None:
         """Settle an unknown outcome with what the provider says happened."""
         self._guard("reconcile")
-        self._reconcile(outcome, by, now, output_hash, result_ref, code, category, retryable)
+        self._reconcile(
+            outcome,
+            by,
+            now,
+            output_hash,
+            result_ref,
+            code,
+            category,
+            retryable,
+            envelope_hash=envelope_hash,
+        )
 
     def _reconcile(
         self,
@@ -860,6 +896,8 @@ class Operation(BaseAggregate[str]):
         code: str,
         category: str,
         retryable: bool,
+        *,
+        envelope_hash: str = "",
     ) -> None:
         if outcome not in ("succeeded", "failed"):
             raise IllegalTransition("reconciliation needs a definite outcome", operation_id=self.id)
@@ -873,6 +911,7 @@ class Operation(BaseAggregate[str]):
             code=code,
             category=category,
             retryable=retryable,
+            envelope_hash=envelope_hash,
         )
 
     @property

@@ -2,7 +2,10 @@
 
     opledger ops list [--state S] [--tool T] [--tenant X] [--limit N]
     opledger ops show OP_ID [--as-of VERSION]
-    opledger audit verify [--expect-head DIGEST]
+    opledger ops rebuild
+    opledger audit verify [--expect-head HEAD] [--public-key KEY]... [--seal-grace SECONDS]
+                          [--against-feed [--nats-url URL] [--creds FILE]]
+    opledger audit head [--public-key KEY]...
     opledger audit export [--output FILE]
     opledger approvals list
     opledger approvals show OP_ID
@@ -13,19 +16,29 @@ Every subcommand takes `--home`, `--database` and `--json`. Each command
 returns an `Output` (data, a renderer for people, an exit code); `main`
 prints the data as JSON or renders it. Exit codes: 0 done, 1 verification
 found faults, 2 an error (printed as one line, never a traceback).
+
+No command creates a ledger: a missing path, or a database without
+opledger's tables, is refused (`NO_LEDGER`, exit 2) with nothing written.
+The commands that only look (ops list/show, audit verify/head/export,
+approvals list/show) open the database read-only; `ops rebuild` and
+`approvals approve/deny` write, and only there. None of them seals: the seal
+is written by the ledger service alone, with its key.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
 import os
+import re
 import sqlite3
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,8 +46,11 @@ import orjson
 import psycopg
 from eventsourcing.persistence import PersistenceError
 
-from ledger.audit.verify import Finding, VerificationReport
-from ledger.bootstrap import build_ledger
+from ledger.audit.feed import FeedRecord, compare_feed, feed_records
+from ledger.audit.parallel import LedgerTables, trusted_head
+from ledger.audit.seal import SealKeyError, SignedHead, TrustedKeys
+from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding, VerificationReport
+from ledger.bootstrap import open_ledger
 from ledger.config import Settings
 from ledger.domain.errors import OperationNotFound
 from ledger.domain.operation import Operation
@@ -102,6 +118,9 @@ class Output:
 
 Command = Callable[[Ledger, argparse.Namespace], Output]
 
+READ, WRITE = "read", "write"
+"""How a command opens the ledger: read-only, or for writing (never creating it)."""
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -118,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     as_json = bool(getattr(args, "json", False))
     try:
         settings = Settings(**_overrides(args))
-        with _open_ledger(settings) as ledger:
+        args.settings = settings
+        with _open_ledger(settings, read_only=args.access == READ) as ledger:
             output = _run(args.command, ledger, args)
         text = render_json(output.data) if as_json else output.render(output.data)
         print(text, file=sys.stderr if output.to_stderr else sys.stdout)
@@ -139,11 +159,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextmanager
-def _open_ledger(settings: Settings) -> Iterator[Ledger]:
-    """The ledger these settings name, closed afterwards; storage faults become errors."""
+def _open_ledger(settings: Settings, *, read_only: bool) -> Iterator[Ledger]:
+    """The ledger these settings name, closed afterwards; storage faults become errors.
+
+    There must be a ledger there already (`NO_LEDGER` otherwise, nothing created).
+    """
     storage = settings.storage()
     with _storage_errors(storage.describe(), opening=True):
-        ledger = build_ledger(storage, contracts_dir=settings.contracts_dir)
+        ledger = open_ledger(storage, read_only=read_only, contracts_dir=settings.contracts_dir)
     try:
         yield ledger
     finally:
@@ -231,12 +254,17 @@ def _group(groups: Any, name: str, help_: str, common: argparse.ArgumentParser) 
 
 
 def _leaf(
-    actions: Any, name: str, help_: str, common: argparse.ArgumentParser, command: Command
+    actions: Any,
+    name: str,
+    help_: str,
+    common: argparse.ArgumentParser,
+    command: Command,
+    access: str = READ,
 ) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = actions.add_parser(
         name, help=help_, description=help_, parents=[common]
     )
-    parser.set_defaults(command=command)
+    parser.set_defaults(command=command, access=access)
     return parser
 
 
@@ -250,14 +278,68 @@ def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
     show = _leaf(actions, "show", "one operation and its event timeline", common, ops_show)
     show.add_argument("operation_id", metavar="OP_ID")
     show.add_argument("--as-of", type=_positive, metavar="VERSION", help="replay up to VERSION")
+    _leaf(
+        actions,
+        "rebuild",
+        "rebuild the operations view from the events (never the seal)",
+        common,
+        ops_rebuild,
+        WRITE,
+    )
+
+
+def _public_key_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--public-key",
+        dest="public_keys",
+        action="append",
+        metavar="KEY",
+        help="a ledger service public key (U...) whose seal signatures you trust (repeatable;"
+        " default: the ledger identity in <creds dir>/identities.json)",
+    )
 
 
 def _add_audit(groups: Any, common: argparse.ArgumentParser) -> None:
     actions = _group(groups, "audit", "verify and export the ledger", common)
     verify = _leaf(
-        actions, "verify", "check hash chains and the sealed digest", common, audit_verify
+        actions,
+        "verify",
+        "check hash chains, the signed seal, the view and kept results",
+        common,
+        audit_verify,
     )
-    verify.add_argument("--expect-head", metavar="DIGEST", help="the head digest recorded earlier")
+    verify.add_argument(
+        "--expect-head",
+        metavar="HEAD",
+        help="a head kept earlier: the line `audit head` printed, POSITION:DIGEST,"
+        " or the final head digest",
+    )
+    _public_key_option(verify)
+    verify.add_argument(
+        "--seal-grace",
+        type=_seconds,
+        default=DEFAULT_SEAL_GRACE.total_seconds(),
+        metavar="SECONDS",
+        help="how long an event may stay unsealed before it is a finding (60)",
+    )
+    verify.add_argument(
+        "--against-feed",
+        action="store_true",
+        help="also compare every event with the feed on NATS (as the auditor identity)",
+    )
+    verify.add_argument(
+        "--nats-url", help="default: OPLEDGER_NATS_URL, else the running stack's server"
+    )
+    verify.add_argument(
+        "--creds",
+        type=Path,
+        metavar="FILE",
+        help="the auditor identity's NKey seed file (default: <creds dir>/auditor-auditor.nk)",
+    )
+    head = _leaf(
+        actions, "head", "print the last signed head, to keep elsewhere", common, audit_head
+    )
+    _public_key_option(head)
     export = _leaf(actions, "export", "write every event as JSON Lines", common, audit_export)
     export.add_argument("--output", "-o", type=Path, metavar="FILE", help="default: stdout")
 
@@ -268,7 +350,12 @@ def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
     show = _leaf(actions, "show", "what approving would allow", common, approvals_show)
     show.add_argument("operation_id", metavar="OP_ID")
     approve = _leaf(
-        actions, "approve", "approve exactly the call you reviewed", common, approvals_approve
+        actions,
+        "approve",
+        "approve exactly the call you reviewed",
+        common,
+        approvals_approve,
+        WRITE,
     )
     approve.add_argument("operation_id", metavar="OP_ID")
     approve.add_argument("--as", dest="user", required=True, metavar="USER", help="who approves")
@@ -286,10 +373,22 @@ def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
         metavar="HASH",
         help="the proposal hash shown by `approvals show`: binds the approval to those arguments",
     )
-    deny = _leaf(actions, "deny", "deny the call; it will never run", common, approvals_deny)
+    deny = _leaf(
+        actions, "deny", "deny the call; it will never run", common, approvals_deny, WRITE
+    )
     deny.add_argument("operation_id", metavar="OP_ID")
     deny.add_argument("--as", dest="user", required=True, metavar="USER", help="who denies")
     deny.add_argument("--reason", default="", help="why, for the requester and the audit")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < math.inf:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds: {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -306,12 +405,18 @@ def _positive(text: str) -> int:
 
 
 def ops_list(ledger: Ledger, args: argparse.Namespace) -> Output:
-    """`ops list`: the operations view, brought up to date first."""
-    ledger.refresh()
+    """`ops list`: the operations view, with the events it has not taken in yet folded in
+    (read, not written: the command writes nothing)."""
     rows = ledger.projector.rows(
-        state=args.state, tool=args.tool, tenant=args.tenant, limit=args.limit
+        state=args.state, tool=args.tool, tenant=args.tenant, limit=args.limit, current=True
     )
     return Output([asdict(row) for row in rows], render_operations)
+
+
+def ops_rebuild(ledger: Ledger, args: argparse.Namespace) -> Output:  # noqa: ARG001
+    """`ops rebuild`: the operations view dropped and projected again from the events."""
+    count = ledger.projector.rebuild()
+    return Output({"events_projected": count}, render_rebuild)
 
 
 def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
@@ -336,8 +441,147 @@ def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
 
 def audit_verify(ledger: Ledger, args: argparse.Namespace) -> Output:
     """`audit verify`: exit 0 when every check passes, 1 with findings."""
-    report = ledger.verify(expected_head=args.expect_head)
+    digest, anchor = _expected_head(args.expect_head)
+    trusted = _trusted_keys(args)
+    grace = timedelta(seconds=args.seal_grace)
+    report = ledger.verify(
+        expected_head=digest, trusted_keys=trusted, seal_grace=grace, anchor=anchor
+    )
+    if args.against_feed:
+        records = _read_feed(args)
+        comparison = compare_feed(
+            ledger.stored_rows(), records, set_aside=_set_aside(ledger), grace=grace
+        )
+        report.findings.extend(comparison.findings)
+        report.notices.extend(comparison.notices)
+        report.feed_events_checked = comparison.feed_messages
     return Output(report_view(report), render_report, EXIT_OK if report.ok else EXIT_FINDINGS)
+
+
+def audit_head(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`audit head`: the last head a trusted key signed, as data and as one line to keep."""
+    trusted = _trusted_keys(args)
+    head = trusted_head(LedgerTables(ledger.db.storage, ledger.events_table), trusted)
+    if head is None:
+        raise NoSignedHead(
+            "the ledger has no head signed by a trusted key"
+            + ("" if trusted else " (no public key given, and none in the credentials manifest)")
+        )
+    data = asdict(head) | {"anchor": head.anchor()}
+    return Output(data, render_head)
+
+
+class NoSignedHead(OpledgerError):
+    """The ledger has no seal signature a trusted key made."""
+
+    category = ErrorCategory.NOT_FOUND
+    code = "NO_SIGNED_HEAD"
+
+
+class FeedUnavailable(OpledgerError):
+    """The feed cannot be read: no server given, or it cannot be reached."""
+
+    category = ErrorCategory.TRANSIENT
+    code = "FEED_UNAVAILABLE"
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_POSITIONED = re.compile(r"^(\d+):([0-9a-f]{64})$")
+
+
+def _expected_head(text: str | None) -> tuple[str | None, SignedHead | None]:
+    """`--expect-head` as (final digest, anchored head): one of them, or neither."""
+    if text is None:
+        return None, None
+    text = text.strip()
+    if _DIGEST.match(text):
+        return text, None
+    positioned = _POSITIONED.match(text)
+    if positioned:
+        return None, SignedHead(int(positioned.group(1)), positioned.group(2), "", "", "")
+    try:
+        return None, SignedHead.from_anchor(text)
+    except ValueError:
+        raise CommandError(
+            "--expect-head takes the line `audit head` printed, POSITION:DIGEST,"
+            " or a 64-digit head digest"
+        ) from None
+
+
+def _trusted_keys(args: argparse.Namespace) -> list[str]:
+    """The public keys the auditor trusts: given, else the manifest's ledger identities."""
+    keys: list[str] = list(args.public_keys or [])
+    if not keys:
+        keys = _manifest_ledger_keys(args.settings.creds_dir)
+    try:
+        TrustedKeys(keys)
+    except SealKeyError as error:
+        raise CommandError(f"--public-key: {error.message}") from None
+    return keys
+
+
+def _manifest_ledger_keys(creds_dir: Path | None) -> list[str]:
+    """The ledger identities' public keys in `<creds_dir>/identities.json` (none if absent).
+
+    Only the manifest is read, no seed: an auditor may have the public keys alone.
+    """
+    if creds_dir is None:
+        return []
+    try:
+        manifest = json.loads((Path(creds_dir) / "identities.json").read_text(encoding="utf-8"))
+        return [
+            str(entry["public_key"])
+            for entry in manifest["identities"]
+            if entry.get("role") == "ledger"
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _set_aside(ledger: Ledger) -> dict[tuple[str, int], str]:
+    """The events the relay set aside instead of publishing: (operation, version) → reason."""
+    if "opledger_relay_set_aside" not in ledger.db.tables():
+        return {}
+    rows = ledger.db.query("SELECT operation_id, version, reason FROM opledger_relay_set_aside")
+    return {(str(op), int(version)): str(reason) for op, version, reason in rows}
+
+
+def _read_feed(args: argparse.Namespace) -> list[FeedRecord | Finding]:
+    """Every feed message, read with the auditor's credentials only."""
+    from ledger.embedded import running_stack
+    from ledger.nats import Identity, Role
+
+    settings: Settings = args.settings
+    stack = running_stack(settings.home)
+    url = args.nats_url or settings.nats_url or (stack.nats_url if stack else None)
+    if not url:
+        raise FeedUnavailable(
+            "no NATS server to read the feed from: give --nats-url or set OPLEDGER_NATS_URL"
+        )
+    seed = args.creds
+    if seed is None:
+        creds_dir = Path(stack.creds_dir) if stack else settings.creds_dir
+        seed = Path(creds_dir or ".") / "auditor-auditor.nk"
+    name = seed.stem.removeprefix("auditor-") if seed.stem.startswith("auditor-") else "auditor"
+    identity = Identity.from_seed_file(Role.AUDITOR, name, seed)
+    return asyncio.run(_feed_records(url, identity))
+
+
+async def _feed_records(url: str, identity: Any) -> list[FeedRecord | Finding]:
+    from ledger.nats import connect_as, read_feed
+
+    try:
+        nc = await connect_as(url, identity, allow_reconnect=False, connect_timeout=5)
+    except Exception as error:  # nats-py raises several kinds; one line is what matters
+        raise FeedUnavailable(f"cannot connect to {url}: {type(error).__name__}") from None
+    records: list[FeedRecord | Finding] = []
+    try:
+        # Read to its end: the comparison needs the whole feed.
+        async for message in read_feed(nc):
+            records.extend(feed_records([(message.seq, message.data)]))
+    finally:
+        await nc.close()
+    return records
 
 
 def audit_export(ledger: Ledger, args: argparse.Namespace) -> Output:
@@ -364,9 +608,8 @@ def _open_output(path: Path) -> Iterator[IO[bytes]]:
 
 
 def approvals_list(ledger: Ledger, args: argparse.Namespace) -> Output:  # noqa: ARG001
-    """`approvals list`: operations waiting for a decision, newest first."""
-    ledger.refresh()
-    rows = ledger.projector.rows(state=OperationState.AWAITING_APPROVAL.value)
+    """`approvals list`: operations waiting for a decision, newest first (writes nothing)."""
+    rows = ledger.projector.rows(state=OperationState.AWAITING_APPROVAL.value, current=True)
     return Output([pending_view(asdict(row)) for row in rows], render_pending)
 
 
@@ -493,6 +736,7 @@ _SUMMARIES: dict[str, Callable[[Any], str]] = {
 
 def report_view(report: VerificationReport) -> dict[str, Any]:
     """A verification report, JSON-able."""
+    head = report.signed_head
     return {
         "ok": report.ok,
         "events_checked": report.events_checked,
@@ -500,7 +744,13 @@ def report_view(report: VerificationReport) -> dict[str, Any]:
         "sealed_events": report.sealed_events,
         "unsealed_events": report.unsealed_events,
         "head_digest": report.head_digest,
+        "signed_head": asdict(head) | {"anchor": head.anchor()} if head is not None else None,
+        "events_past_signed_head": report.unsigned_events,
+        "view_rows_checked": report.view_rows_checked,
+        "results_checked": report.results_checked,
+        "feed_events_checked": report.feed_events_checked,
         "findings": [finding_view(finding) for finding in report.findings],
+        "notices": [finding_view(finding) for finding in report.notices],
     }
 
 
@@ -715,23 +965,62 @@ def _indent(text: str) -> str:
 
 
 def render_report(data: dict[str, Any]) -> str:
-    """`audit verify` for people: the counts, the head digest, every finding."""
+    """`audit verify` for people: the counts, the heads, every finding and notice."""
+    head = data["signed_head"]
     fields = [
         ("events checked", data["events_checked"]),
         ("operations checked", data["operations_checked"]),
         ("sealed events", data["sealed_events"]),
         ("unsealed events", data["unsealed_events"]),
         ("head digest", data["head_digest"]),
+        (
+            "signed head",
+            f"#{head['position']} at {head['sealed_at']} by {head['public_key']}"
+            if head
+            else "none (no seal signed by a trusted key)",
+        ),
+        ("past signed head", data["events_past_signed_head"]),
+        ("view rows checked", data["view_rows_checked"]),
+        ("results checked", data["results_checked"]),
     ]
+    if data["feed_events_checked"] is not None:
+        fields.append(("feed events checked", data["feed_events_checked"]))
     findings = data["findings"]
     verdict = (
-        "OK: every event matches its chain and the seal"
+        "OK: every event matches its chain and the signed seal;"
+        " the view and kept results match the events"
         if data["ok"]
         else f"FAILED: {len(findings)} finding(s)"
     )
-    lines = [_render_fields(fields, width=20), verdict]
+    lines = [_render_fields(fields, width=22), verdict]
     lines.extend(f"  {finding['description']}" for finding in findings)
+    if data["notices"]:
+        lines.append(f"notices: {len(data['notices'])}")
+        lines.extend(f"  {notice['description']}" for notice in data["notices"])
     return "\n".join(lines)
+
+
+def render_head(data: dict[str, Any]) -> str:
+    """`audit head` for people: the fields, then the one line to keep."""
+    fields = [
+        ("position", data["position"]),
+        ("digest", data["digest"]),
+        ("sealed at", data["sealed_at"]),
+        ("public key", data["public_key"]),
+        ("signature", data["signature"]),
+    ]
+    return "\n".join(
+        [
+            _render_fields(fields, width=12),
+            "keep this line; give it back to `audit verify --expect-head`:",
+            data["anchor"],
+        ]
+    )
+
+
+def render_rebuild(data: dict[str, Any]) -> str:
+    """`ops rebuild` for people."""
+    return f"rebuilt the operations view from {data['events_projected']} events"
 
 
 def render_export(data: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ledger.adapters.storage import StorageConfig
+from ledger.audit.seal import SealKey
 from ledger.bootstrap import build_ledger
 from ledger.config import ConfigError, Settings
 from ledger.nats.topology import declare_topology
@@ -157,12 +158,18 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         resolver, rules = _plugins(args.plugins)
+        # The service's NKey is its seal key too: only the service seals, and
+        # auditors check its signatures with the public key of this identity.
+        seal_key = SealKey.from_seed_file(args.creds) if args.creds is not None else None
+        if seal_key is None:
+            _log.warning("no --creds: the ledger is not sealed (verification will say so)")
         ledger = build_ledger(
             _storage(args.database, args.postgres_schema),
             contracts_dir=args.contracts,
             resolver=resolver,
             rules=rules,
             lease_grace=timedelta(seconds=args.lease_grace),
+            seal_key=seal_key,
         )
     except (OpledgerError, ImportError, AttributeError, ValueError, OSError) as exc:
         print(f"error: cannot start the ledger service: {exc}", file=sys.stderr)

@@ -405,6 +405,10 @@ def test_ledger_service_connects_to_every_listed_server(
         await service.broker.connect()
 
     monkeypatch.setattr(ledger_main, "build_ledger", lambda *a, **k: StubLedger())
+    # The container's seed file is not on this machine; the seal key is not under test.
+    monkeypatch.setattr(
+        ledger_main.SealKey, "from_seed_file", classmethod(lambda cls, path: cls.generate())
+    )
     monkeypatch.setattr(ledger_main, "_serve", connect_only)
     monkeypatch.setattr(nats, "connect", fake_connect)
     command = SERVICES[LEDGERS[0]]["command"]

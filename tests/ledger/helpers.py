@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ledger import Ledger, StorageConfig, build_ledger
+from ledger.audit.seal import SealKey
 from policy import ContractRegistry, InMemoryTargetResolver
 from policy.catalog import SAMPLE_RULES, sample_targets
 from schemas import Provenance, ResultEnvelope, RuntimeContext, ToolProposal
@@ -20,8 +21,13 @@ ALICE = RuntimeContext(
 )
 
 
+SEAL_KEY = SealKey.generate()
+"""The seal key of every test ledger: it seals as the ledger service does (`refresh`)."""
+
+
 def make_ledger(storage: StorageConfig, **kwargs: Any) -> Ledger:
-    """A ledger over `storage` with the sample catalog and fake world."""
+    """A ledger over `storage` with the sample catalog and fake world, sealing with `SEAL_KEY`."""
+    kwargs.setdefault("seal_key", SEAL_KEY)
     kwargs.setdefault("resolver", InMemoryTargetResolver(sample_targets()))
     kwargs.setdefault("rules", SAMPLE_RULES)
     return build_ledger(storage, **kwargs)
@@ -93,3 +99,34 @@ def registry_with_limit(max_per_hour: int | None) -> ContractRegistry:
             )
         registry.register(contract)
     return registry
+
+
+def use_storage(monkeypatch: Any, home: Any, storage: StorageConfig) -> None:
+    """Point the `opledger` CLI at `storage` (and at `home`), nothing else leaking in."""
+    for name in ("OPLEDGER_DATABASE", "OPLEDGER_POSTGRES_SCHEMA", "OPLEDGER_CONTRACTS_DIR",
+                 "OPLEDGER_NATS_URL", "OPLEDGER_CREDS_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OPLEDGER_HOME", str(home))
+    if storage.sqlite_path is not None:
+        monkeypatch.setenv("OPLEDGER_DATABASE", str(storage.sqlite_path))
+    else:
+        monkeypatch.setenv("OPLEDGER_DATABASE", storage.postgres_dsn or "")
+        monkeypatch.setenv("OPLEDGER_POSTGRES_SCHEMA", storage.postgres_schema)
+
+
+def cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """Run `opledger ARGV...`: (exit code, stdout, stderr)."""
+    from ledger.entrypoints.cli import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def cli_json(capsys: Any, *argv: str, expect: int = 0) -> Any:
+    """Run `opledger ARGV... --json` and decode what it printed."""
+    import json
+
+    code, out, err = cli(capsys, *argv, "--json")
+    assert code == expect, (code, out, err)
+    return json.loads(out)

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from ledger import StorageConfig, build_ledger
+from ledger.audit.seal import SealKey
 from ledger.entrypoints.cli import main
+from ledger.nats import generate_credentials
 from policy import InMemoryTargetResolver
 from policy.catalog import SAMPLE_RULES, sample_targets
 from schemas import RuntimeContext, ToolProposal
@@ -55,11 +57,14 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def ledger_ids(home: Path) -> Iterator[dict[str, str]]:
-    """A ready search (3 events) and an email awaiting approval (3 events), both sealed."""
+    """A ready search (3 events) and an email awaiting approval (3 events), both sealed
+    by the ledger identity of `<home>/creds` (whose public key verification trusts)."""
+    credentials = generate_credentials(home / "creds", hosts=["h1"], tools=["search_documents"])
     ledger = build_ledger(
         StorageConfig.sqlite(home / "ledger.db"),
         resolver=InMemoryTargetResolver(sample_targets()),
         rules=SAMPLE_RULES,
+        seal_key=SealKey.from_seed_file(credentials.ledger.seed_path),
     )
     try:
         search = ledger.submit(
@@ -144,9 +149,11 @@ def test_global_options_work_before_the_subcommand_too(ledger_ids, home, capsys,
     assert [row["operation_id"] for row in json.loads(out)] == ["op-search"]
 
     other_home = tmp_path_factory.mktemp("other-home")
-    code, out, _ = _run(capsys, "--home", str(other_home), "ops", "list")
-    assert (code, out) == (0, "no operations match\n")
-    assert (other_home / "ledger.db").is_file()
+    code, out, err = _run(capsys, "--home", str(other_home), "ops", "list")
+    assert (code, out) == (2, "")
+    where = f"sqlite:{other_home / 'ledger.db'}"
+    assert err == f"error: NO_LEDGER: no ledger at {where}: no such file\n"
+    assert not (other_home / "ledger.db").exists()
 
     code, out, _ = _run(capsys, "ops", "list", "--database", str(home / "ledger.db"), "--json")
     assert len(json.loads(out)) == 2
@@ -246,8 +253,13 @@ def test_audit_verify_reports_counts_and_exits_0(ledger_ids, capsys):
     assert fields["operations checked"] == "2"
     assert fields["sealed events"] == "6"
     assert fields["unsealed events"] == "0"
+    assert fields["past signed head"] == "0"
+    assert fields["signed head"].startswith("#")
     assert len(fields["head digest"]) == 64
-    assert out.splitlines()[-1] == "OK: every event matches its chain and the seal"
+    assert out.splitlines()[-1] == (
+        "OK: every event matches its chain and the signed seal;"
+        " the view and kept results match the events"
+    )
 
     report = _json(capsys, "audit", "verify")
     assert report["ok"] is True
@@ -283,16 +295,21 @@ def test_audit_verify_finds_a_tampered_event(ledger_ids, home, capsys):
     code, out, err = _run(capsys, "audit", "verify")
 
     assert (code, err) == (1, "")
-    assert out.splitlines()[-3] == "FAILED: 2 finding(s)"
-    findings = out.splitlines()[-2:]
+    assert out.splitlines()[-4] == "FAILED: 3 finding(s)"
+    findings = out.splitlines()[-3:]
     assert findings[0].strip().startswith("modified: #")
     assert "op-search v2: event hash differs from the sealed hash" in findings[0]
     assert "op-search v3: prev_hash is not the hash of the event before it" in findings[1]
+    # The view took the event in before it was changed: it no longer folds to the same row.
+    assert findings[2].strip() == (
+        "view_mismatch: op-search v3: risk is 'low', the events say 'critical'"
+    )
 
     report = _json(capsys, "audit", "verify", expect=1)
     assert report["ok"] is False
     assert [(f["kind"], f["operation_id"], f["version"]) for f in report["findings"]] == [
-        ("modified", "op-search", 2), ("chain_broken", "op-search", 3)
+        ("modified", "op-search", 2), ("chain_broken", "op-search", 3),
+        ("view_mismatch", "op-search", 3),
     ]
 
 
@@ -518,11 +535,11 @@ def test_a_missing_contracts_dir_is_one_line(home, monkeypatch, capsys):
 
 def test_settings_come_from_the_toml_file_in_home(home, capsys):
     (home / "opledger.toml").write_text(f'database = "{home / "from-toml.db"}"\n')
+    build_ledger(StorageConfig.sqlite(home / "from-toml.db")).close()
 
     code, out, _ = _run(capsys, "ops", "list")
 
     assert (code, out) == (0, "no operations match\n")
-    assert (home / "from-toml.db").is_file()
     assert not (home / "ledger.db").exists()
 
 

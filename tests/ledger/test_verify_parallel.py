@@ -1,15 +1,17 @@
 """Chunked and parallel verification report exactly what one sequential pass reports.
 
 Every tampered ledger is verified three ways: by `verify_ledger` over the
-whole table at once (the reference), and by `Ledger.verify` in this process
-and with a worker process, at chunk sizes small enough that every fault sits
-on or next to a chunk boundary. Runs on SQLite and PostgreSQL.
+whole table, the whole seal and every signature at once, plus the view and
+result check over whole tables (the reference), and by `Ledger.verify` in
+this process and with a worker process, at chunk sizes small enough that
+every fault sits on or next to a chunk boundary. Runs on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -17,8 +19,12 @@ import pytest
 
 from ledger import FindingKind, Ledger, StorageConfig
 from ledger.audit import parallel
-from ledger.audit.verify import VerificationReport, verify_ledger
-from tests.ledger.helpers import ALICE, make_ledger, result, search
+from ledger.audit.model import verify_model
+from ledger.audit.seal import SealKey
+from ledger.audit.verify import SignatureRow, VerificationReport, verify_ledger
+from ledger.domain.hashing import stored_event_hash
+from ledger.projections.operations_view import ROW_COLUMNS, VIEW_NAME
+from tests.ledger.helpers import ALICE, SEAL_KEY, make_ledger, result, search
 
 SUCCEEDED = "ledger.domain.operation:Operation.Succeeded"
 CHUNK_SIZES = (1, 2, 3, 7, 16)
@@ -30,6 +36,8 @@ def ledger(storage: StorageConfig) -> Ledger:
     ledger = make_ledger(storage)
     for n in range(10):
         ledger.submit(search(f"op-{n}"), ALICE)
+        if n % 3 == 0:
+            ledger.refresh()  # sealed in several batches: several signed heads
     for n in range(0, 10, 2):  # the even ones run and succeed: five events, the others three
         grant = ledger.claim(f"op-{n}", executor="exec-1")
         ledger.record_result(result(f"op-{n}", grant.fencing_token, data={"items": []}))
@@ -153,6 +161,81 @@ def mislabel(ledger: Ledger) -> None:
     )
 
 
+def append_forged(ledger: Ledger) -> None:
+    """A forged tail event with a correct prev_hash, dated an hour ago, left unsealed."""
+    rows = list(ledger.stored_rows())
+    last = max((r for r in rows if r[1] == "op-1"), key=lambda r: r[2])
+    forged = orjson.loads(last[4])
+    forged |= {
+        "originator_version": last[2] + 1,
+        "prev_hash": stored_event_hash(last[3], last[4]),
+        "timestamp": (datetime.now(UTC) - timedelta(hours=1)).isoformat(),
+    }
+    top = max(r[0] for r in rows if r[0] < 2**62)  # not past a forged row at the very top
+    _insert(ledger, top + 1, "op-1", last[2] + 1, orjson.dumps(forged))
+
+
+def _signatures(ledger: Ledger) -> list[SignatureRow]:
+    return [
+        (int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
+        for r in ledger.db.query(
+            "SELECT position, running_digest, sealed_at, public_key, signature"
+            " FROM opledger_seal_signatures ORDER BY position"
+        )
+    ]
+
+
+def forge_signature(ledger: Ledger) -> None:
+    """One signature's bytes changed: it no longer verifies with the trusted key."""
+    position, _, _, _, signature = _signatures(ledger)[0]
+    flipped = ("A" if signature[0] != "A" else "B") + signature[1:]
+    ledger.db.execute(
+        "UPDATE opledger_seal_signatures SET signature = ? WHERE position = ?",
+        (flipped, position),
+    )
+
+
+def resign_with_another_key(ledger: Ledger) -> None:
+    """The newest head signed again by a key of the forger's own, stored beside it."""
+    position, digest, sealed_at, _, _ = _signatures(ledger)[-1]
+    forged = SealKey.generate().sign(position, digest, sealed_at)
+    ledger.db.execute(
+        "UPDATE opledger_seal_signatures SET public_key = ?, signature = ? WHERE position = ?",
+        (forged.public_key, forged.signature, position),
+    )
+
+
+def alter_result(ledger: Ledger) -> None:
+    """A kept result's data changed by hand."""
+    ((reference, text),) = ledger.db.query(
+        "SELECT result_ref, envelope FROM opledger_results WHERE operation_id = 'op-2'"
+    )
+    ledger.db.execute(
+        "UPDATE opledger_results SET envelope = ? WHERE result_ref = ?",
+        (text.replace('"items":[]', '"items":[{"forged":true}]'), reference),
+    )
+
+
+def orphan_result(ledger: Ledger) -> None:
+    """A result row no event names."""
+    ledger.db.execute(
+        "INSERT INTO opledger_results (result_ref, operation_id, envelope)"
+        " VALUES ('result:op-3:1', 'op-3', '{}')"
+    )
+
+
+def alter_view(ledger: Ledger) -> None:
+    """The read model alone changed: a row's state, a row deleted, a row added."""
+    ledger.db.execute(
+        "UPDATE opledger_operations SET state = 'succeeded' WHERE operation_id = 'op-5'"
+    )
+    ledger.db.execute("DELETE FROM opledger_operations WHERE operation_id = 'op-7'")
+    ledger.db.execute(
+        "INSERT INTO opledger_operations (operation_id, state, tool, actor, tenant, created_at,"
+        " updated_at, last_version) VALUES ('op-ghost', 'succeeded', 't', 'a', 'x', '', '', 1)"
+    )
+
+
 def everything(ledger: Ledger) -> None:
     """All of the above at once."""
     for tamper in (
@@ -165,6 +248,12 @@ def everything(ledger: Ledger) -> None:
         rewrite_seal_hash,
         rewrite_seal_digest,
         mislabel,
+        append_forged,
+        forge_signature,
+        resign_with_another_key,
+        alter_result,
+        orphan_result,
+        alter_view,
     ):
         tamper(ledger)
 
@@ -179,15 +268,60 @@ TAMPERING: dict[str, tuple[Callable[[Ledger], None], set[FindingKind]]] = {
     "seal_hash_rewritten": (rewrite_seal_hash, {FindingKind.MODIFIED}),
     "seal_digest_rewritten": (rewrite_seal_digest, {FindingKind.MODIFIED}),
     "mislabeled": (mislabel, {FindingKind.MISLABELED, FindingKind.VERSION_GAP}),
-    "everything": (everything, set(FindingKind) - {FindingKind.HEAD_MISMATCH}),
+    "forged_tail": (append_forged, {FindingKind.UNSEALED}),
+    "signature_forged": (forge_signature, {FindingKind.SIGNATURE_INVALID}),
+    "resigned_by_another_key": (
+        resign_with_another_key,
+        {FindingKind.UNTRUSTED_KEY, FindingKind.SEAL_UNSIGNED},
+    ),
+    "result_altered": (alter_result, {FindingKind.RESULT_MISMATCH}),
+    "result_orphaned": (orphan_result, {FindingKind.RESULT_ORPHANED}),
+    "view_altered": (
+        alter_view,
+        {FindingKind.VIEW_MISMATCH, FindingKind.VIEW_MISSING, FindingKind.VIEW_EXTRA},
+    ),
+    "everything": (
+        everything,
+        set(FindingKind)
+        - {
+            FindingKind.HEAD_MISMATCH,
+            FindingKind.FEED_MISSING,
+            FindingKind.FEED_EXTRA,
+            FindingKind.FEED_DIFFERENT,
+            FindingKind.SET_ASIDE,
+        },
+    ),
 }
 
 
 def _reference(ledger: Ledger, expected_head: str | None) -> VerificationReport:
-    """One sequential pass over the whole table and the whole seal."""
-    return verify_ledger(
-        list(ledger.stored_rows()), ledger.projector.digest_rows(), expected_head=expected_head
+    """One sequential pass over the whole table, the whole seal and every signature,
+    then the view and the results against the events, from whole tables in memory."""
+    rows = list(ledger.stored_rows())
+    report = verify_ledger(
+        rows,
+        ledger.projector.digest_rows(),
+        expected_head=expected_head,
+        signatures=_signatures(ledger),
+        trusted=[SEAL_KEY.public_key],
     )
+    ((view_position,),) = ledger.db.query(
+        "SELECT position FROM opledger_positions WHERE name = ?", (VIEW_NAME,)
+    )
+    view = sorted(
+        ledger.db.query(f"SELECT {', '.join(ROW_COLUMNS)} FROM opledger_operations"),
+        key=lambda row: row[0],
+    )
+    results = sorted(
+        ledger.db.query("SELECT result_ref, operation_id, envelope FROM opledger_results"),
+        key=lambda row: (row[1], row[0]),
+    )
+    model = verify_model(
+        sorted(rows, key=lambda row: (row[1], row[2])), view, results, view_position=view_position
+    )
+    report.findings.extend(model.findings)
+    report.view_rows_checked, report.results_checked = model.view_rows, model.results
+    return report
 
 
 @pytest.mark.parametrize("case", sorted(TAMPERING))
