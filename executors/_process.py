@@ -48,7 +48,7 @@ from executors._api import (
 )
 from executors._metrics import ExecutorMetrics
 from executors._redact import DEFAULT_POLICY, RedactionPolicy, redact, redact_text
-from policy import CompiledSchema, ToolContract
+from policy import DEFAULT_LIMITS, CompiledSchema, ToolContract, json_value_issue
 from schemas import (
     CheckStage,
     ErrorCategory,
@@ -687,6 +687,16 @@ class ItemProcessor:
             raise _Untrusted(
                 "OUTPUT_CONTRACT_VIOLATION", "the tool returned a value JSON cannot carry"
             ) from None
+        # The ledger binds the output by its canonical hash: what no hash can
+        # bind (an integer beyond 2**53, a nesting deeper than the arguments
+        # may have) is refused here, with the same rule the inputs follow.
+        problem = json_value_issue(data, DEFAULT_LIMITS.max_depth)
+        if problem is not None:
+            raise _Untrusted(
+                "OUTPUT_CONTRACT_VIOLATION",
+                "the tool's output is not plain JSON",
+                issues=_issue_summary([problem]),
+            )
         issues = self._output.issues(data)
         if issues:
             raise _Untrusted(

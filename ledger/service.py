@@ -42,7 +42,7 @@ from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState, ResultDisposition
 from ledger.projections.operations_view import OperationsProjector
 from ledger.retention import KEPT_REJECTED_BYTES, kept_arguments
-from policy import ProposalChecker, ToolContract
+from policy import DEFAULT_LIMITS, ProposalChecker, ToolContract, json_value_issue
 from schemas import (
     Decision,
     DecisionOutcome,
@@ -769,18 +769,34 @@ class Ledger:
         now = self._clock()
         attempt = envelope.provenance.attempt
         reference = ResultStore.reference(operation.id, attempt)
-        output_hash = sha256_hex(canonical_json(envelope.data)) if envelope.data is not None else ""
-        # Encoded once: the event records the hash of exactly the text that is kept.
-        text = ResultStore.encode(envelope)
-        envelope_hash = envelope_text_hash(text)
-        pending = len(operation.pending_events)
-        if envelope.ok:
-            outcome = "succeeded"
-        elif envelope.outcome_unknown:
-            outcome = "unknown"
-        else:
-            outcome = "failed"
         error = envelope.error
+        reason = error.message if error else ""
+        problem = (
+            json_value_issue(envelope.data, DEFAULT_LIMITS.max_depth)
+            if envelope.data is not None
+            else None
+        )
+        if problem is not None:
+            # Data no hash can bind (an integer beyond 2**53, a 300-level nesting):
+            # nothing in the envelope can be trusted to say what happened, and
+            # it is not kept. Unknown, for reconciliation to settle; before, it
+            # failed the append on every redelivery until JetStream gave up.
+            outcome, output_hash, text, envelope_hash = "unknown", "", "", ""
+            reason = f"the result cannot be recorded: {problem.code} at {problem.path or '/'}"
+        else:
+            output_hash = (
+                sha256_hex(canonical_json(envelope.data)) if envelope.data is not None else ""
+            )
+            # Encoded once: the event records the hash of exactly the text that is kept.
+            text = ResultStore.encode(envelope)
+            envelope_hash = envelope_text_hash(text)
+            if envelope.ok:
+                outcome = "succeeded"
+            elif envelope.outcome_unknown:
+                outcome = "unknown"
+            else:
+                outcome = "failed"
+        pending = len(operation.pending_events)
         disposition = operation.record_result(
             fencing_token=envelope.fencing_token,
             executor=envelope.provenance.executor,
@@ -791,14 +807,14 @@ class Ledger:
             code=error.code if error else "",
             category=error.category.value if error else "",
             retryable=error.retryable if error else False,
-            reason=error.message if error else "",
+            reason=reason,
             envelope_hash=envelope_hash,
         )
         if disposition is ResultDisposition.ACCEPTED:
             # Kept only where a settling event names it (not for an unknown
             # outcome, whose reference a later reconciliation of the same
             # attempt reuses: the first text kept would win over the bound one).
-            if any(
+            if text and any(
                 getattr(event, "result_ref", "") == reference
                 for event in operation.pending_events[pending:]
             ):

@@ -429,6 +429,21 @@ def test_output_that_is_not_a_json_object_is_refused(output: Any) -> None:
     assert error_of(execute(returning(READ, output), READ_ARGS))[1] == "OUTPUT_CONTRACT_VIOLATION"
 
 
+@pytest.mark.parametrize("count", [2**53, 2**60], ids=["2**53", "2**60"])
+def test_output_no_hash_can_bind_is_refused_before_it_is_published(count: int) -> None:
+    """The schema allows any non-negative integer, and orjson writes integers up to
+    64 bits; the ledger's canonical hash (RFC 8785) takes none beyond 2**53 - 1.
+    Refused as the inputs are, so the ledger never gets an envelope it cannot
+    record; the write's outcome is unknown (it may have happened)."""
+    output = {"accepted_count": count, "rejected_recipient_ids": [], "provider_message_ids": []}
+    write = execute(returning(WRITE, output), WRITE_ARGS)
+    assert error_of(write) == (ErrorCategory.INTERNAL, "OUTPUT_CONTRACT_VIOLATION", False, True)
+    issues = envelope_of(write).error.safe_details["issues"]  # type: ignore[union-attr]
+    assert [(i["path"], i["code"]) for i in issues] == [("/accepted_count", "number_out_of_range")]
+    fine = dict(output, accepted_count=2**53 - 1)
+    assert envelope_of(execute(returning(WRITE, fine), WRITE_ARGS)).ok
+
+
 def test_output_is_redacted_and_the_pointers_reported() -> None:
     item = {
         "source_id": "d",

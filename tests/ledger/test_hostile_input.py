@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ledger import Ledger, LedgerError, OperationConflict, OperationState, StorageConfig
+from ledger.adapters.results import ResultStore
 from ledger.audit.export import feed_record
 from ledger.domain.errors import InvalidProposal
 from ledger.retention import KEPT_REJECTED_BYTES
@@ -25,7 +26,14 @@ from policy import ContractRegistry
 from schemas import DecisionOutcome, RuntimeContext, ToolProposal
 from tests.factories import make_contract
 from tests.hostile import hostile_arguments
-from tests.ledger.helpers import ALICE, make_ledger, proposal, registry_with_limit, search
+from tests.ledger.helpers import (
+    ALICE,
+    make_ledger,
+    proposal,
+    registry_with_limit,
+    result,
+    search,
+)
 
 S = OperationState
 
@@ -265,3 +273,27 @@ def test_property_any_arguments_fail_only_their_own_proposal(
     for row in unlimited.stored_rows_after(0, 100_000):
         if row[1] in ours:
             assert len(orjson.dumps(feed_record(row, ()))) < 600 * 1024
+
+
+def test_a_result_no_hash_can_bind_is_an_unknown_outcome_and_fails_no_other(
+    ledger: Ledger,
+) -> None:
+    """Before: canonical_json raised inside the batch, the results consumer naked the
+    message, and it came back on every redelivery until JetStream gave up on it. An
+    executor of ours refuses such output itself (see tests/executors); this is one that
+    does not: its envelope is not kept, the outcome is unknown (it may have happened)."""
+    for name in ("hostile", "normal"):
+        ledger.submit(search(name), ALICE)
+    tokens = {name: ledger.lease(name, executor="e").fencing_token or 0
+              for name in ("hostile", "normal")}
+    hostile = result("hostile", tokens["hostile"],
+                     data={"items": [{"n": 2**60}], "truncated": False})
+    normal = result("normal", tokens["normal"], data={"items": [], "truncated": False})
+    answers = ledger.record_results([hostile, normal])
+    assert [a.value for a in answers] == ["accepted", "accepted"]  # type: ignore[union-attr]
+    assert ledger.status("normal").state == "succeeded"
+    assert ledger.status("hostile").state == "outcome_unknown"
+    unknown = ledger.history("hostile")[-1]
+    assert type(unknown).__name__ == "OutcomeUnknown"
+    assert unknown.reason == "the result cannot be recorded: number_out_of_range at /items/0/n"
+    assert ledger.results.get_text(ResultStore.reference("hostile", 1)) is None
