@@ -55,6 +55,7 @@ def build_ledger(
     clock: Callable[[], datetime] = _utcnow,
     lease_grace: timedelta = timedelta(seconds=30),
     seal_key: SealKey | None = None,
+    previous_seal_keys: Sequence[str] = (),
     seal_grace: timedelta = DEFAULT_SEAL_GRACE,
 ) -> Ledger:
     """A ready ledger over `storage`, checking proposals against pinned contracts.
@@ -64,9 +65,10 @@ def build_ledger(
     A lease lasts the tool's timeout plus `lease_grace`.
 
     `seal_key`: the ledger service's key; with it, `Ledger.refresh` seals
-    (extends and signs the digest chain). Without it the ledger seals
-    nothing, and verification names the events nobody sealed once they are
-    older than `seal_grace`. A read-only `storage` (`StorageConfig.reading`)
+    (extends and signs the digest chain), continuing only from a head signed
+    with it or with one of `previous_seal_keys` (public keys it had before).
+    Without it the ledger seals nothing, and verification names the events
+    nobody sealed once they are older than `seal_grace`. A read-only `storage` (`StorageConfig.reading`)
     gives a ledger that creates and writes nothing: open it with
     `open_ledger`, which first checks that there is a ledger at all.
     """
@@ -87,7 +89,11 @@ def build_ledger(
             for statement in SEAL_SCHEMA:
                 db.execute(statement)
     projector = OperationsProjector(db, events.recorder, create=create)
-    sealer = Sealer(db, events.recorder, seal_key, clock=clock) if seal_key is not None else None
+    sealer = (
+        Sealer(db, events.recorder, seal_key, previous_keys=previous_seal_keys, clock=clock)
+        if seal_key is not None
+        else None
+    )
     budget = LedgerBudgetCounter(projector)
     checker = ProposalChecker(catalog, resolver=resolver, rules=rules, budget=budget, clock=clock)
     return Ledger(

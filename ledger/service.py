@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from ledger.adapters.sql import SqlDatabase
 from ledger.audit.export import export_jsonl
 from ledger.audit.model import served_result
 from ledger.audit.parallel import LedgerTables, verify_stored
-from ledger.audit.seal import Sealer, SignedHead
+from ledger.audit.seal import Sealer, SealRefused, SignedHead
 from ledger.audit.verify import DEFAULT_SEAL_GRACE, StoredRow, VerificationReport
 from ledger.budget import LedgerBudgetCounter
 from ledger.domain.errors import (
@@ -169,6 +170,7 @@ class Ledger:
         # never write the seal, and a ledger without the key seals nothing.
         self.sealer = sealer
         self.seal_grace = seal_grace
+        self._seal_refused_logged = float("-inf")
         self._budget = budget
         self._clock = clock
         self._new_id = new_id
@@ -220,7 +222,15 @@ class Ledger:
         ledger holds the seal key; returns how many events the view took in."""
         projected = self.projector.catch_up()
         if self.sealer is not None:
-            self.sealer.seal()
+            try:
+                self.sealer.seal()
+            except SealRefused as refused:
+                # Loud but not fatal: the feed, work and outcomes must go on
+                # (the feed is the auditors' witness of what happened meanwhile).
+                now = time.monotonic()
+                if now - self._seal_refused_logged >= 60:
+                    self._seal_refused_logged = now
+                    _log.error("not sealing: %s", refused.message)
         return projected
 
     # --------------------------------------------------------------- submitting

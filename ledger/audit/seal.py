@@ -48,6 +48,7 @@ __all__ = [
     "SIGNATURES_TABLE",
     "SealKey",
     "SealKeyError",
+    "SealRefused",
     "Sealer",
     "SignedHead",
     "TrustedKeys",
@@ -85,6 +86,13 @@ SCHEMA = [
         position BIGINT NOT NULL
     )""",
 ]
+
+
+class SealRefused(OpledgerError):
+    """The sealer will not extend a chain it cannot vouch for (see `Sealer.head`)."""
+
+    category = ErrorCategory.INTERNAL
+    code = "SEAL_REFUSED"
 
 
 class SealKeyError(OpledgerError):
@@ -251,10 +259,15 @@ def _utcnow() -> datetime:
 class Sealer:
     """Extends the digest chain and signs its head, batch by batch: the seal's only writer.
 
-    It continues from the last head signed with its own key (on a key change,
-    from the last head whose signature verifies at all, rather than rewrite
-    the whole chain), and recomputes any seal rows stored after that head:
-    they are nobody's it can vouch for.
+    It continues from the last head signed with its own key or with one of
+    `previous_keys` (the keys it had before a rotation), and recomputes any
+    seal rows stored after that head: they are nobody's it can vouch for.
+
+    It never continues from a head it cannot vouch for: signature rows that
+    none of its keys made, or none left although it signed before, mean that
+    someone rewrote the seal, and sealing on top would sign their version.
+    It refuses (`SealRefused`) until an operator decides (a rotated key given
+    as a previous key, or the seal tables cleared on purpose).
     """
 
     def __init__(
@@ -263,12 +276,14 @@ class Sealer:
         recorder: ApplicationRecorder,
         key: SealKey,
         *,
+        previous_keys: Iterable[str] = (),
         batch_size: int = 500,
         clock: Callable[[], datetime] = _utcnow,
     ) -> None:
         self._db = db
         self._recorder = recorder
         self.key = key
+        self._trusted = TrustedKeys([key.public_key, *previous_keys])
         self._batch_size = batch_size
         self._clock = clock
         self._head: SignedHead | None = None  # the last head known good, cached
@@ -298,19 +313,29 @@ class Sealer:
         )
         if rows and self._head is not None and SignedHead.from_row(rows[0]) == self._head:
             return self._head  # what this process signed or checked last: no new check
-        fallback: SignedHead | None = None
+        if not rows:
+            sealed = self._db.query(
+                "SELECT position FROM opledger_positions WHERE name = ?", (_POSITION_NAME,)
+            )
+            if sealed and int(sealed[0][0]) > 0:
+                raise SealRefused(
+                    f"the seal was signed up to position {sealed[0][0]} and its signatures"
+                    " are gone: not sealing over it"
+                )
+            self._head = None
+            return None  # never sealed (or sealed before heads were signed): from the start
         for row in self._db.query(
             "SELECT position, running_digest, sealed_at, public_key, signature"
             f" FROM {SIGNATURES_TABLE} ORDER BY position DESC"
         ):
             head = SignedHead.from_row(row)
-            if self.key.signed(head):
+            if self._trusted.valid(head):
                 self._head = head
                 return head
-            if fallback is None and head.self_signed():
-                fallback = head
-        self._head = fallback
-        return fallback
+        raise SealRefused(
+            "no seal signature is this service's (its key, or a --previous-seal-key):"
+            " not sealing over a seal someone else signed"
+        )
 
     def _seal_batch(self) -> int:
         db = self._db

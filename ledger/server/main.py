@@ -72,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
             " its work item is published again (a lost item); 0: never"
         ),
     )
+    parser.add_argument(
+        "--previous-seal-key",
+        dest="previous_seal_keys",
+        action="append",
+        default=[],
+        metavar="PUBLIC_KEY",
+        help="a public key (U...) this service sealed with before its key was rotated"
+        " (repeatable): the seal continues from heads it signed",
+    )
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here")
     parser.add_argument("--metrics-addr", default="127.0.0.1")
@@ -170,6 +179,7 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
             rules=rules,
             lease_grace=timedelta(seconds=args.lease_grace),
             seal_key=seal_key,
+            previous_seal_keys=args.previous_seal_keys,
         )
     except (OpledgerError, ImportError, AttributeError, ValueError, OSError) as exc:
         print(f"error: cannot start the ledger service: {exc}", file=sys.stderr)

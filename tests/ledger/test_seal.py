@@ -257,3 +257,79 @@ def test_the_service_resumes_from_its_own_head_and_reseals_unsigned_rows(
     reader.submit(search("op-3"), ALICE)
     reader.refresh()
     assert reader.verify(workers=1, trusted_keys=[SEAL_KEY.public_key]).unsigned_events == 3
+
+
+def _rewrite_history(ledger: Ledger) -> None:
+    """An attacker of the database: op-1's query changed, its seal cleared."""
+    column = _position_column(ledger)
+    rows = ledger.db.query(
+        f"SELECT {column}, state FROM {ledger.events_table}"
+        " WHERE originator_id = 'op-1' AND originator_version = 1"
+    )
+    position, state = rows[0]
+    changed = bytes(state).replace(b"refund policy", b"salary tables")
+    ledger.db.execute(
+        f"UPDATE {ledger.events_table} SET state = ? WHERE {column} = ?", (changed, position)
+    )
+
+
+def test_the_service_never_seals_over_a_seal_whose_signatures_are_gone(
+    sealed: Ledger, capsys: Any
+) -> None:
+    """Before: the sealer found no head, sealed everything again from the start with
+    the service's key, and the rewritten history then verified."""
+    _rewrite_history(sealed)
+    sealed.db.execute("DELETE FROM opledger_seal_signatures")
+    sealed.db.execute("DELETE FROM opledger_digest")
+    sealed.refresh()  # the running service's next seal: refused, logged, not raised
+    assert _seal_tables(sealed) == ([], [])
+    report = cli_json(capsys, "audit", "verify", *TRUST, "--seal-grace", "0", expect=1)
+    assert report["signed_head"] is None
+    assert report["findings"]
+
+
+def test_the_service_never_seals_over_a_seal_signed_by_another_key(
+    sealed: Ledger, capsys: Any
+) -> None:
+    """Before: the sealer continued from the newest head whose signature verified with
+    any key, the attacker's own included, and signed the rewrite over."""
+    _rewrite_history(sealed)
+    digests, signatures = _seal_tables(sealed)
+    forger = SealKey.generate()
+    sealed.db.execute("DELETE FROM opledger_seal_signatures")
+    for row in signatures:
+        head = SignedHead.from_row(row)
+        forged = forger.sign(head.position, head.digest, head.sealed_at)
+        sealed.db.execute(
+            "INSERT INTO opledger_seal_signatures VALUES (?, ?, ?, ?, ?)",
+            (forged.position, forged.digest, forged.sealed_at, forged.public_key,
+             forged.signature),
+        )
+    sealed.submit(search("op-4"), ALICE)
+    sealed.refresh()
+    assert all(SignedHead.from_row(r).public_key == forger.public_key
+               for r in _seal_tables(sealed)[1])
+    report = cli_json(capsys, "audit", "verify", *TRUST, "--seal-grace", "0", expect=1)
+    assert report["signed_head"] is None
+
+
+def test_a_rotated_key_continues_the_seal_given_the_previous_one(
+    storage: StorageConfig, sealed: Ledger, capsys: Any
+) -> None:
+    """A rotation is not an attack: the new key continues from the old key's heads when
+    the service is told the old public key, and refuses without it."""
+    new_key = SealKey.generate()
+    sealed.submit(search("op-5"), ALICE)
+    unaware = make_ledger(storage, seal_key=new_key)
+    unaware.refresh()
+    before = _seal_tables(sealed)[1]
+    assert all(SignedHead.from_row(r).public_key == SEAL_KEY.public_key for r in before)
+    told = make_ledger(storage, seal_key=new_key, previous_seal_keys=[SEAL_KEY.public_key])
+    told.refresh()
+    after = _seal_tables(sealed)[1]
+    assert SignedHead.from_row(after[-1]).public_key == new_key.public_key
+    assert len(after) == len(before) + 1
+    report = cli_json(capsys, "audit", "verify", *TRUST, "--public-key", new_key.public_key)
+    assert report["ok"], report["findings"]
+    unaware.close()
+    told.close()
