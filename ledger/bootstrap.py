@@ -68,9 +68,10 @@ def build_ledger(
     (extends and signs the digest chain), continuing only from a head signed
     with it or with one of `previous_seal_keys` (public keys it had before).
     Without it the ledger seals nothing, and verification names the events
-    nobody sealed once they are older than `seal_grace`. A read-only `storage` (`StorageConfig.reading`)
-    gives a ledger that creates and writes nothing: open it with
-    `open_ledger`, which first checks that there is a ledger at all.
+    nobody sealed once they are older than `seal_grace`. A read-only
+    `storage` (`StorageConfig.reading`) gives a ledger that creates and
+    writes nothing: open it with `open_ledger`, which first checks that
+    there is a ledger at all.
     """
     if registry is None:
         if contracts_dir is None:

@@ -16,6 +16,8 @@ setting, and never echoes a DSN (it may hold a password).
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import re
 import tomllib
@@ -42,6 +44,7 @@ __all__ = [
     "ConfigError",
     "Settings",
     "config_file",
+    "seconds_argument",
 ]
 
 ENV_PREFIX = "OPLEDGER_"
@@ -266,3 +269,14 @@ def _first_problem(error: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"unknown setting '{setting}' (check {CONFIG_FILE_NAME}){more}"
     return f"invalid setting {setting} ({ENV_PREFIX}{setting.upper()}): {first['msg']}{more}"
+
+
+def seconds_argument(text: str) -> float:
+    """A duration given on a command line: 0 or more seconds, finite (an argparse `type`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < math.inf:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds: {text!r}")
+    return value

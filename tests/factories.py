@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from policy import ToolContract
+from policy import ContractRegistry, ToolContract
 
 SEARCH_INPUT: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -67,3 +67,16 @@ def contract_document(**overrides: Any) -> dict[str, Any]:
 def make_contract(**overrides: Any) -> ToolContract:
     """A `ToolContract` built from `contract_document(**overrides)`."""
     return ToolContract.model_validate(contract_document(**overrides))
+
+
+def blob_registry() -> ContractRegistry:
+    """A registry of one tool, `store_blob`, whose argument is a string of any length
+    (for tests about sizes: the sample tools bound their strings)."""
+    registry = ContractRegistry()
+    registry.register(make_contract(
+        name="store_blob", version="1.0.0",
+        input_schema={"type": "object", "additionalProperties": False,
+                      "properties": {"blob": {"type": "string"}}, "required": ["blob"]},
+        output_schema={"type": "object"}, required_capabilities=[], risk={"base": "low"},
+    ))
+    return registry

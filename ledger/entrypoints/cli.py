@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import re
 import sqlite3
@@ -51,7 +50,7 @@ from ledger.audit.parallel import LedgerTables, trusted_head
 from ledger.audit.seal import SealKeyError, SignedHead, TrustedKeys
 from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding, VerificationReport
 from ledger.bootstrap import open_ledger
-from ledger.config import Settings
+from ledger.config import Settings, seconds_argument
 from ledger.domain.errors import OperationNotFound
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
@@ -317,7 +316,7 @@ def _add_audit(groups: Any, common: argparse.ArgumentParser) -> None:
     _public_key_option(verify)
     verify.add_argument(
         "--seal-grace",
-        type=_seconds,
+        type=seconds_argument,
         default=DEFAULT_SEAL_GRACE.total_seconds(),
         metavar="SECONDS",
         help="how long an event may stay unsealed before it is a finding (60)",
@@ -379,16 +378,6 @@ def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
     deny.add_argument("operation_id", metavar="OP_ID")
     deny.add_argument("--as", dest="user", required=True, metavar="USER", help="who denies")
     deny.add_argument("--reason", default="", help="why, for the requester and the audit")
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value < math.inf:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds: {text!r}")
-    return value
 
 
 def _positive(text: str) -> int:

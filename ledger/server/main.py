@@ -13,7 +13,6 @@ import asyncio
 import gc
 import importlib
 import logging
-import math
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 from ledger.adapters.storage import StorageConfig
 from ledger.audit.seal import SealKey
 from ledger.bootstrap import build_ledger
-from ledger.config import ConfigError, Settings
+from ledger.config import ConfigError, Settings, seconds_argument
 from ledger.nats.topology import declare_topology
 from ledger.server.app import LedgerService, ServiceOptions
 from schemas import OpledgerError, inbox_prefix
@@ -65,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lease-grace", type=float, default=5.0, help="seconds")
     parser.add_argument(
         "--redispatch-after",
-        type=_seconds,
+        type=seconds_argument,
         default=60.0,
         help=(
             "seconds an operation may stay ready while its tool's work queue is empty before"
@@ -86,16 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-addr", default="127.0.0.1")
     parser.add_argument("--log-level", default="INFO")
     return parser
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value < math.inf:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive number of seconds: {text!r}")
-    return value
 
 
 def _fill_from_settings(args: argparse.Namespace) -> None:

@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ledger import Ledger, StorageConfig, build_ledger
 from ledger.nats import CredentialSet, NatsServer, connect_as, generate_credentials
 from policy.catalog import CATALOG_DIR, sample_plugins
 from schemas import StatusRequest, Subjects
+from tests.conftest import drop_schema, postgres_storage_or_skip
 
 SAMPLE_TOOLS = {
     "search_documents": "executors.samples.documents:search_documents",
@@ -87,7 +89,87 @@ class Stack:
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
-def _wait_for_service(stack: Stack, timeout_s: float = 20.0) -> None:
+@dataclass
+class BackendStack:
+    """nats-server, the ledger service over one storage backend, and its executors."""
+
+    home: Path
+    storage: StorageConfig
+    server: NatsServer
+    credentials: CredentialSet
+    service: subprocess.Popen[bytes]
+    contracts: Path
+    executors: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def log(self, name: str) -> str:
+        """A process log, for failure messages."""
+        path = self.home / name
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def ledger(self) -> Ledger:
+        """A second handle on the service's ledger (for inspection)."""
+        resolver, rules = sample_plugins()
+        return build_ledger(self.storage, resolver=resolver, rules=rules,
+                            contracts_dir=self.contracts)
+
+    def start_executor(self, tool: str, *options: str) -> subprocess.Popen[bytes]:
+        """One executor process of the sample `tool`, with its own credentials."""
+        name = f"executor-{tool}-{len(self.executors)}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "executors", "run", SAMPLE_TOOLS[tool],
+             "--creds", str(self.credentials.executor(tool).seed_path),
+             "--nats-url", self.server.url, "--contracts", str(self.contracts),
+             "--name", name, *options],
+            stdout=(self.home / f"{name}.log").open("wb"), stderr=subprocess.STDOUT,
+        )
+        self.executors.append(process)
+        return process
+
+
+@contextmanager
+def backend_stack(
+    home: Path,
+    backend: str,
+    *,
+    hosts: Sequence[str] = HOSTS,
+    tools: Sequence[str] = tuple(sorted(SAMPLE_TOOLS)),
+    contracts: Path = CATALOG_DIR,
+    service_options: Sequence[str] = (),
+) -> Iterator[BackendStack]:
+    """A running stack whose ledger service writes to `backend` ("sqlite" or "postgres",
+    a fresh schema, dropped afterwards); no executors until a test starts them."""
+    if backend == "sqlite":
+        storage = StorageConfig.sqlite(home / "ledger.db")
+        database = ["--database", str(home / "ledger.db")]
+    else:
+        storage = postgres_storage_or_skip()
+        database = ["--database", storage.postgres_dsn or "",
+                    "--postgres-schema", storage.postgres_schema]
+    credentials = generate_credentials(
+        home / "creds", hosts=hosts, tools=tools, auditors=("auditor",)
+    )
+    server = NatsServer(home / "nats", authorization=credentials.authorization_config)
+    server.start()
+    service = subprocess.Popen(
+        [sys.executable, "-m", "ledger.server", *database, "--nats-url", server.url,
+         "--creds", str(credentials.ledger.seed_path), "--tools", ",".join(tools),
+         "--contracts", str(contracts), *service_options],
+        stdout=(home / "service.log").open("wb"), stderr=subprocess.STDOUT,
+    )
+    stack = BackendStack(home, storage, server, credentials, service, contracts)
+    try:
+        _wait_for_service(stack)
+        yield stack
+    finally:
+        for process in reversed(stack.executors):
+            _stop(process)
+        _stop(service)
+        server.stop()
+        if storage.is_postgres:
+            drop_schema(storage)
+
+
+def _wait_for_service(stack: Stack | BackendStack, timeout_s: float = 20.0) -> None:
     async def probe() -> bool:
         nc = await connect_as(stack.server.url, stack.credentials.host("h1"),
                               allow_reconnect=False, connect_timeout=2)

@@ -13,24 +13,19 @@ import asyncio
 import itertools
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import nats
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ledger import Ledger, OperationNotFound, StorageConfig, build_ledger
+from ledger import OperationNotFound
 from ledger.client import AgentHostClient
-from ledger.nats import CredentialSet, NatsServer, connect_as, generate_credentials
+from ledger.nats import connect_as
 from ledger.server.relay import SET_ASIDE_TABLE
-from policy.catalog import CATALOG_DIR, sample_plugins
+from policy.catalog import CATALOG_DIR
 from schemas import (
     FEED_STREAM,
     LeaseRequest,
@@ -40,8 +35,8 @@ from schemas import (
     Subjects,
     ToolProposal,
 )
-from tests.conftest import drop_schema, postgres_storage_or_skip
-from tests.e2e.conftest import _stop, _wait_for_service
+from tests.e2e.conftest import BackendStack, backend_stack
+from tests.feed import feed_messages
 from tests.hostile import hostile_json_text, hostile_names, python_values
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
@@ -54,39 +49,10 @@ CONTEXT = {"principal": "alice", "tenant": "acme", "capabilities": ["documents:s
 _IDS = itertools.count()
 
 
-@dataclass
-class WireStack:
-    """The processes and how to reach the ledger's storage directly."""
-
-    home: Path
-    server: NatsServer
-    credentials: CredentialSet
-    storage: StorageConfig
-    service: subprocess.Popen[bytes]
-
-    def log(self, name: str) -> str:
-        """A process log, for failure messages (what `_wait_for_service` reads)."""
-        path = self.home / name
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
-    def ledger(self) -> Ledger:
-        """A second handle on the service's ledger, for inspection."""
-        resolver, rules = sample_plugins()
-        return build_ledger(self.storage, resolver=resolver, rules=rules,
-                            contracts_dir=self.home / "contracts")
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def wire(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[WireStack]:
+         ) -> Iterator[BackendStack]:
     home = tmp_path_factory.mktemp(f"wire-{request.param}")
-    if request.param == "sqlite":
-        storage = StorageConfig.sqlite(home / "ledger.db")
-        database = ["--database", str(home / "ledger.db")]
-    else:
-        storage = postgres_storage_or_skip()
-        database = ["--database", storage.postgres_dsn or "",
-                    "--postgres-schema", storage.postgres_schema]
     # The sample contracts, with search's rate limit lifted: these tests send hundreds.
     contracts = home / "contracts"
     shutil.copytree(CATALOG_DIR, contracts, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
@@ -94,36 +60,12 @@ def wire(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     search.write_text(search.read_text().replace(
         "max_per_hour: 600\n  max_per_minute: 30", "max_per_hour: 1000000\n  max_per_minute: 100000"
     ))
-    credentials = generate_credentials(home / "creds", hosts=HOSTS, tools=TOOLS)
-    server = NatsServer(home / "nats", authorization=credentials.authorization_config)
-    server.start()
-    service = subprocess.Popen(
-        [sys.executable, "-m", "ledger.server", *database, "--nats-url", server.url,
-         "--creds", str(credentials.ledger.seed_path), "--tools", ",".join(TOOLS),
-         "--contracts", str(contracts),
-         "--ack-wait", "2", "--lease-grace", "1", "--redispatch-after", "0"],
-        stdout=(home / "service.log").open("wb"), stderr=subprocess.STDOUT,
-    )
-    stack = WireStack(home, server, credentials, storage, service)
-    executor: subprocess.Popen[bytes] | None = None
-    try:
-        _wait_for_service(stack)  # type: ignore[arg-type]  # needs .service and .log only
-        # After the service: it declares the consumer the executor binds to.
-        executor = subprocess.Popen(
-            [sys.executable, "-m", "executors", "run",
-             "executors.samples.documents:search_documents",
-             "--creds", str(credentials.executor("search_documents").seed_path),
-             "--nats-url", server.url, "--contracts", str(contracts), "--batch", "8"],
-            stdout=(home / "executor.log").open("wb"), stderr=subprocess.STDOUT,
-        )
+    with backend_stack(
+        home, request.param, hosts=HOSTS, tools=TOOLS, contracts=contracts,
+        service_options=["--ack-wait", "2", "--lease-grace", "1", "--redispatch-after", "0"],
+    ) as stack:
+        stack.start_executor("search_documents", "--batch", "8")
         yield stack
-    finally:
-        if executor is not None:
-            _stop(executor)
-        _stop(service)
-        server.stop()
-        if storage.is_postgres:
-            drop_schema(storage)
 
 
 def _envelope(tool: str = "search_documents", arguments: Any = None, *,
@@ -146,32 +88,21 @@ async def _ask(nc: Any, host: str, payload: bytes) -> dict[str, Any]:
     return answer
 
 
-async def _feed_has(wire: WireStack, operation_id: str, version: int) -> bool:
-    """Whether the feed stream holds event `version` of `operation_id` (read as the ledger)."""
+async def _feed_has(wire: BackendStack, operation_id: str, version: int) -> bool:
+    """Whether event `version` of `operation_id` reaches the feed within 10 s."""
     nc = await connect_as(wire.server.url, wire.credentials.ledger)
     try:
-        js = nc.jetstream()
-        deadline = asyncio.get_running_loop().time() + 10
-        while asyncio.get_running_loop().time() < deadline:
-            sub = await js.subscribe("ops.feed.>", ordered_consumer=True)
-            try:
-                while True:
-                    try:
-                        msg = await sub.next_msg(timeout=0.3)
-                    except nats.errors.TimeoutError:
-                        break
-                    wanted = f"{operation_id}:{version}"
-                    if msg.headers and msg.headers.get("Nats-Msg-Id") == wanted:
-                        return True
-            finally:
-                await sub.unsubscribe()
-            await asyncio.sleep(0.2)
+        for _ in range(25):
+            messages = await feed_messages(nc.jetstream(), quiet_s=0.3)
+            if any(m.headers.get("Nats-Msg-Id") == f"{operation_id}:{version}" for m in messages):
+                return True
+            await asyncio.sleep(0.1)
         return False
     finally:
         await nc.close()
 
 
-async def _normal_runs(wire: WireStack, host: AgentHostClient) -> None:
+async def _normal_runs(wire: BackendStack, host: AgentHostClient) -> None:
     """A normal proposal is answered, runs, and its events reach the feed promptly."""
     operation_id = f"normal-{next(_IDS)}"
     reply = await host.propose(
@@ -190,7 +121,7 @@ def _run(coroutine: Any) -> Any:
 
 
 def test_tool_names_that_are_not_subject_tokens_are_refused_and_nothing_stalls(
-    wire: WireStack,
+    wire: BackendStack,
 ) -> None:
     """Before: stored (Proposed, Rejected), then the relay failed on the subject forever;
     a normal proposal after it only ran through the 60 s redispatch sweep, and the feed
@@ -218,7 +149,7 @@ def test_tool_names_that_are_not_subject_tokens_are_refused_and_nothing_stalls(
         ledger.close()
 
 
-def test_a_proposal_just_under_the_message_limit_is_a_finding(wire: WireStack) -> None:
+def test_a_proposal_just_under_the_message_limit_is_a_finding(wire: BackendStack) -> None:
     """Before: rejected for `length` but stored in full; its feed record was over the
     limit and the relay failed with MaxPayloadError forever."""
 
@@ -247,7 +178,7 @@ def test_a_proposal_just_under_the_message_limit_is_a_finding(wire: WireStack) -
         ledger.close()
 
 
-def test_a_huge_integer_fails_only_its_own_proposal(wire: WireStack) -> None:
+def test_a_huge_integer_fails_only_its_own_proposal(wire: BackendStack) -> None:
     """Before: `TypeError: Integer exceeds 64-bit range` failed the whole batch: 40 of 40
     normal proposals sent beside it were answered LEDGER_UNAVAILABLE (retryable, and yet
     they would never succeed)."""
@@ -267,7 +198,7 @@ def test_a_huge_integer_fails_only_its_own_proposal(wire: WireStack) -> None:
     assert [i["code"] for i in answers[20]["decision"]["issues"]] == ["number_out_of_range"]
 
 
-def test_one_hosts_operation_ids_are_not_another_hosts(wire: WireStack) -> None:
+def test_one_hosts_operation_ids_are_not_another_hosts(wire: BackendStack) -> None:
     """Before: h2 proposing under an ID h1 used got OPERATION_CONFLICT, and so learned
     that the ID was taken; status deliberately hides exactly that."""
 
@@ -301,7 +232,7 @@ def test_one_hosts_operation_ids_are_not_another_hosts(wire: WireStack) -> None:
 
 
 def test_a_lease_for_another_tools_operation_looks_like_one_for_a_made_up_id(
-    wire: WireStack,
+    wire: BackendStack,
 ) -> None:
     """Before: `refused` for another tool's operation, OPERATION_NOT_FOUND for a made-up
     ID: an executor could tell which IDs other tools' operations have."""
@@ -356,7 +287,7 @@ def _hostile_payload(kind: str, value: Any) -> bytes | None:
         return None
 
 
-def test_property_nothing_a_host_sends_fails_another_hosts_proposal(wire: WireStack) -> None:
+def test_property_nothing_a_host_sends_fails_another_hosts_proposal(wire: BackendStack) -> None:
     """Hypothesis over the wire: each example sends hostile messages from h2 at the same
     moment as normal proposals from h1. Every message gets a documented answer in time;
     every normal proposal is stored and answered `ready`; afterwards every normal one has
@@ -411,7 +342,7 @@ def test_property_nothing_a_host_sends_fails_another_hosts_proposal(wire: WireSt
     assert _run(_feed_keys(wire, len(stored))) >= stored
 
 
-async def _feed_keys(wire: WireStack, expected: int) -> set[tuple[str, int]]:
+async def _feed_keys(wire: BackendStack, expected: int) -> set[tuple[str, int]]:
     """Every (operation, version) on the feed, once the relay has caught up."""
     nc = await connect_as(wire.server.url, wire.credentials.ledger)
     try:
@@ -420,17 +351,7 @@ async def _feed_keys(wire: WireStack, expected: int) -> set[tuple[str, int]]:
             if (await js.stream_info(FEED_STREAM)).state.messages >= expected:
                 break
             await asyncio.sleep(0.2)
-        found: set[tuple[str, int]] = set()
-        sub = await js.subscribe("ops.feed.>", ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except nats.errors.TimeoutError:
-                    return found
-                record = orjson.loads(msg.data)
-                found.add((record["operation_id"], record["version"]))
-        finally:
-            await sub.unsubscribe()
+        records = [orjson.loads(msg.data) for msg in await feed_messages(js)]
+        return {(record["operation_id"], record["version"]) for record in records}
     finally:
         await nc.close()

@@ -22,9 +22,8 @@ from ledger.adapters.results import ResultStore
 from ledger.audit.export import feed_record
 from ledger.domain.errors import InvalidProposal
 from ledger.retention import KEPT_REJECTED_BYTES
-from policy import ContractRegistry
 from schemas import DecisionOutcome, RuntimeContext, ToolProposal
-from tests.factories import make_contract
+from tests.factories import blob_registry
 from tests.hostile import hostile_arguments
 from tests.ledger.helpers import (
     ALICE,
@@ -196,13 +195,7 @@ def test_cached_operations_are_bounded_in_bytes(storage: StorageConfig) -> None:
     2,400 proposals of 512 KiB). 60 operations of 200 KiB each hold 12 MiB in memory
     (their events share the one string); the cache keeps at most its byte budget of
     stored history (4 MiB here, a little over one operation in three)."""
-    registry = ContractRegistry()
-    registry.register(make_contract(
-        name="store_blob", version="1.0.0",
-        input_schema={"type": "object", "additionalProperties": False,
-                      "properties": {"blob": {"type": "string"}}, "required": ["blob"]},
-        output_schema={"type": "object"}, required_capabilities=[], risk={"base": "low"},
-    ))
+    registry = blob_registry()
     budget = 4 * 1024 * 1024
     ledger = make_ledger(storage, registry=registry, rules={})
     ledger = Ledger(events=ledger.events, db=ledger.db, checker=ledger.checker,

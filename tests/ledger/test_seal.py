@@ -294,7 +294,7 @@ def test_the_service_never_seals_over_a_seal_signed_by_another_key(
     """Before: the sealer continued from the newest head whose signature verified with
     any key, the attacker's own included, and signed the rewrite over."""
     _rewrite_history(sealed)
-    digests, signatures = _seal_tables(sealed)
+    _, signatures = _seal_tables(sealed)
     forger = SealKey.generate()
     sealed.db.execute("DELETE FROM opledger_seal_signatures")
     for row in signatures:

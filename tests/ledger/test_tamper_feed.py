@@ -10,22 +10,17 @@ event the store lost. A kept result changed by hand is refused over NATS too.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ledger import StorageConfig
 from ledger.client import AgentHostClient, RequestRefused
-from ledger.nats import CredentialSet, NatsServer, connect_as, generate_credentials
-from policy.catalog import CATALOG_DIR
-from schemas import RuntimeContext, StatusRequest, Subjects, ToolProposal
-from tests.conftest import drop_schema, postgres_storage_or_skip
+from ledger.nats import connect_as
+from schemas import RuntimeContext, ToolProposal
+from tests.e2e.conftest import BackendStack, backend_stack
 from tests.ledger.helpers import cli, cli_json, use_storage
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]
@@ -36,89 +31,14 @@ ALICE = RuntimeContext(
 TOOL = "search_documents"
 
 
-@dataclass
-class Stack:
-    """nats-server, the ledger service and one executor, over one storage."""
-
-    home: Path
-    storage: StorageConfig
-    server: NatsServer
-    credentials: CredentialSet
-    processes: list[subprocess.Popen[bytes]]
-
-    def log(self, name: str) -> str:
-        path = self.home / name
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
-
-def _start(home: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-    log = (home / name).open("wb")
-    return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT)
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-
-
-async def _answers(stack: Stack) -> bool:
-    nc = await connect_as(stack.server.url, stack.credentials.host("h1"),
-                          allow_reconnect=False, connect_timeout=2)
-    try:
-        request = StatusRequest(operation_id="probe").model_dump_json().encode()
-        await nc.request(Subjects.status("h1"), request, timeout=1)
-        return True
-    except Exception:
-        return False
-    finally:
-        await nc.close()
-
-
 @pytest.fixture(params=["sqlite", "postgres"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
-    if request.param == "sqlite":
-        storage = StorageConfig.sqlite(tmp_path / "ledger.db")
-        database = ["--database", str(storage.sqlite_path)]
-    else:
-        storage = postgres_storage_or_skip()
-        database = ["--database", storage.postgres_dsn or "",
-                    "--postgres-schema", storage.postgres_schema]
-    credentials = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[TOOL])
-    server = NatsServer(tmp_path / "nats", authorization=credentials.authorization_config)
-    server.start()
-    processes = [
-        _start(tmp_path, "service.log", [
-            "-m", "ledger.server", *database, "--nats-url", server.url,
-            "--creds", str(credentials.ledger.seed_path), "--tools", TOOL,
-        ]),
-    ]
-    running = Stack(tmp_path, storage, server, credentials, processes)
-    try:
-        deadline = time.monotonic() + 20
-        while not asyncio.run(_answers(running)):
-            assert processes[0].poll() is None, running.log("service.log")
-            assert time.monotonic() < deadline, running.log("service.log")
-            time.sleep(0.2)
-        processes.append(_start(tmp_path, "executor.log", [
-            "-m", "executors", "run", "executors.samples.documents:search_documents",
-            "--creds", str(credentials.executor(TOOL).seed_path), "--nats-url", server.url,
-            "--contracts", str(CATALOG_DIR), "--name", "exec-0",
-        ]))
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BackendStack]:
+    with backend_stack(tmp_path, request.param, hosts=["h1"], tools=[TOOL]) as running:
+        running.start_executor(TOOL)
         yield running
-    finally:
-        for process in reversed(processes):
-            _stop(process)
-        server.stop()
-        if storage.is_postgres:
-            drop_schema(storage)
 
 
-async def _run_searches(stack: Stack, names: list[str]) -> None:
+async def _run_searches(stack: BackendStack, names: list[str]) -> None:
     nc = await connect_as(stack.server.url, stack.credentials.host("h1"))
     host = AgentHostClient(nc, "h1", timeout=5)
     try:
@@ -131,12 +51,12 @@ async def _run_searches(stack: Stack, names: list[str]) -> None:
             )
         for name in names:
             status = await host.outcome(name, timeout=60)
-            assert status.state == "succeeded", stack.log("executor.log")
+            assert status.state == "succeeded", stack.log(f"executor-{TOOL}-0.log")
     finally:
         await host.close()
 
 
-async def _status_error(stack: Stack, name: str) -> RequestRefused:
+async def _status_error(stack: BackendStack, name: str) -> RequestRefused:
     nc = await connect_as(stack.server.url, stack.credentials.host("h1"))
     host = AgentHostClient(nc, "h1", timeout=5)
     try:
@@ -164,7 +84,7 @@ def _settled(capsys: Any, trust: tuple[str, ...], *, feed: tuple[str, ...] = ())
 
 
 def test_the_feed_names_the_newest_events_deleted_with_their_seal(
-    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    stack: BackendStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     use_storage(monkeypatch, tmp_path / "auditor", stack.storage)
     trust = ("--public-key", stack.credentials.ledger.public_key)
@@ -214,7 +134,7 @@ def test_the_feed_names_the_newest_events_deleted_with_their_seal(
 
 
 def test_an_altered_kept_result_is_refused_over_nats(
-    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    stack: BackendStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     asyncio.run(_run_searches(stack, ["op-r"]))
     from ledger.bootstrap import build_ledger

@@ -24,9 +24,9 @@ from ledger.nats import NatsServer, declare_topology
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.relay import SET_ASIDE_TABLE, Relay
-from policy import ContractRegistry
 from schemas import FEED_STREAM, WORK_STREAM, RuntimeContext, Subjects
-from tests.factories import make_contract
+from tests.factories import blob_registry
+from tests.feed import feed_messages
 from tests.ledger.helpers import ALICE, make_ledger, proposal, search
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -71,18 +71,8 @@ def _forged_legacy_operation(ledger: Ledger, operation_id: str, tool: str) -> No
 
 
 async def _feed_ids(js: Any, subject: str) -> set[str]:
-    """Message IDs of the feed messages on `subject` (an ephemeral ordered read)."""
-    found: set[str] = set()
-    sub = await js.subscribe(subject, ordered_consumer=True)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except nats.errors.TimeoutError:
-                return found
-            found.add(msg.headers.get("Nats-Msg-Id", ""))
-    finally:
-        await sub.unsubscribe()
+    """Message IDs of the feed messages on `subject`."""
+    return {msg.headers.get("Nats-Msg-Id", "") for msg in await feed_messages(js, subject)}
 
 
 async def test_an_event_that_cannot_be_published_is_set_aside_and_the_relay_moves_on(
@@ -142,13 +132,7 @@ async def test_an_event_larger_than_a_message_goes_out_without_its_body(
 ) -> None:
     """Before: `MaxPayloadError` for the batch, forever. Now the feed record keeps the
     event's hash (what auditors compare) and drops its body; the work item goes out."""
-    registry = ContractRegistry()
-    registry.register(make_contract(
-        name="store_blob", version="1.0.0",
-        input_schema={"type": "object", "additionalProperties": False,
-                      "properties": {"blob": {"type": "string"}}, "required": ["blob"]},
-        output_schema={"type": "object"}, required_capabilities=[], risk={"base": "low"},
-    ))
+    registry = blob_registry()
     ledger = make_ledger(storage, registry=registry, rules={})
     suffix = _suffix(storage)
     nc = await nats.connect(small_server.url)
