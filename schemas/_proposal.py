@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from schemas._base import WireModel
 from schemas._subjects import TOKEN_PATTERN
 
-__all__ = ["RuntimeContext", "ToolProposal"]
+__all__ = ["PLAIN_TEXT_PATTERN", "RuntimeContext", "ToolProposal"]
+
+PLAIN_TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+"""Text without control characters: what names and identifiers may hold. U+0000 in
+particular is valid JSON that PostgreSQL's TEXT cannot store; one principal holding
+it used to stop the operations view, and with it the relay, for every host."""
+
+_Name = Annotated[str, Field(min_length=1, max_length=128, pattern=PLAIN_TEXT_PATTERN)]
 
 
 def _now() -> datetime:
@@ -24,9 +31,9 @@ class ToolProposal(WireModel):
     most model APIs return. Parsing it is the check's first stage.
     """
 
-    proposal_id: str = Field(min_length=1, max_length=128)
-    conversation_id: str = Field(min_length=1, max_length=128)
-    requested_by_user_id: str = Field(min_length=1, max_length=128)
+    proposal_id: _Name
+    conversation_id: _Name
+    requested_by_user_id: _Name
     tool_name: str = Field(
         pattern=TOKEN_PATTERN,
         description="The tool the model chose ([A-Za-z0-9_-], at most 128): a tool name is a"
@@ -35,8 +42,8 @@ class ToolProposal(WireModel):
     arguments: Any = Field(
         description="The model's arguments: a JSON object, or the JSON text of one."
     )
-    prompt_release: str = Field(default="unknown", max_length=128)
-    model_snapshot: str = Field(default="unknown", max_length=128)
+    prompt_release: str = Field(default="unknown", max_length=128, pattern=PLAIN_TEXT_PATTERN)
+    model_snapshot: str = Field(default="unknown", max_length=128, pattern=PLAIN_TEXT_PATTERN)
     created_at: datetime = Field(default_factory=_now)
     operation_id: str | None = Field(
         default=None,
@@ -58,7 +65,7 @@ class RuntimeContext(WireModel):
     `tenant_id` or `is_admin` into its arguments.
     """
 
-    principal: str = Field(min_length=1, max_length=128)
-    tenant: str = Field(min_length=1, max_length=128)
-    capabilities: frozenset[str] = frozenset()
-    environment: str = Field(default="development", max_length=64)
+    principal: _Name
+    tenant: _Name
+    capabilities: frozenset[_Name] = frozenset()
+    environment: str = Field(default="development", max_length=64, pattern=PLAIN_TEXT_PATTERN)

@@ -25,7 +25,9 @@ _BIG_INTS = st.one_of(
 _TEXT = st.one_of(
     st.text(max_size=20),
     st.text(alphabet=st.characters(codec="utf-8"), max_size=20),
-    st.sampled_from(["\ud800", "a\udfffb", "\x00", "\u2028", "../etc/passwd", "a.b", "*", ">"]),
+    st.sampled_from(
+        ["\ud800", "a\udfffb", "\x00", "a\x00b", "\n", "\u2028", "../etc/passwd", "a.b", "*", ">"]
+    ),
 )
 _LEAVES = st.one_of(
     st.none(), st.booleans(), _BIG_INTS, st.floats(allow_nan=True, allow_infinity=True), _TEXT

@@ -32,6 +32,8 @@ __all__ = [
     "OperationsProjector",
     "Row",
     "fold_event",
+    "fold_stored",
+    "view_text",
 ]
 
 _NAME = "operations_view"
@@ -205,6 +207,40 @@ def fold_event(
     return row
 
 
+def fold_stored(
+    row: Row | None, operation_id: str, version: int, topic: str, stored: bytes | dict[str, Any]
+) -> Row | None:
+    """`fold_event` over a stored event, total: it never raises, and leaves `row` as it is.
+
+    An event that is not one (its state not a JSON object, a field missing or
+    of the wrong type: a row written by hand) leaves the row as it was; the
+    view must never stop for one row it cannot read (verification names such
+    rows by their hashes). Text that PostgreSQL's TEXT cannot hold (U+0000)
+    is stored as U+FFFD, the same on both backends.
+    """
+    try:
+        state = orjson.loads(stored) if isinstance(stored, bytes | bytearray) else stored
+        if type(state) is not dict:
+            return row
+        folded = fold_event(
+            None if row is None else dict(row), operation_id, version, topic, state
+        )
+    except Exception:
+        return row
+    if folded is not None:
+        for column, value in folded.items():
+            if type(value) is str:
+                folded[column] = view_text(value)
+            elif value is not None and type(value) is not int:
+                return row  # a value of a type no column takes: not an event
+    return folded
+
+
+def view_text(text: str) -> str:
+    """`text` as the view stores it: U+0000, which PostgreSQL's TEXT cannot hold, as U+FFFD."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
 def _as_row(values: Sequence[Any]) -> Row:
     return dict(zip(ROW_COLUMNS, values, strict=True))
 
@@ -284,12 +320,12 @@ class OperationsProjector:
         after = {operation_id: dict(row) for operation_id, row in before.items()}
         for notification in notifications:
             operation_id = str(notification.originator_id)
-            row = fold_event(
+            row = fold_stored(
                 after.get(operation_id),
                 operation_id,
                 notification.originator_version,
                 notification.topic,
-                orjson.loads(notification.state),
+                notification.state,
             )
             if row is not None:
                 after[operation_id] = row
@@ -458,7 +494,7 @@ class OperationsProjector:
                 "SELECT COUNT(*) FROM opledger_operations"
                 " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?"
                 " AND state <> 'rejected'",
-                (tenant, actor, tool, _iso(since)),
+                (view_text(tenant), view_text(actor), tool, _iso(since)),
             )[0][0]
         )
 

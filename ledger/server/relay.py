@@ -293,8 +293,14 @@ class Relay:
         messages: list[_Message] = []
         limit = self._payload_limit()
         for row in rows:
+            if row[0] in self._set_aside_positions:
+                continue
             route = self._routes.get(row[1])
-            if route is None or row[0] in self._set_aside_positions:
+            if route is None:
+                # Neither a Proposed event the relay read nor the view knows the
+                # operation: the row is no event of ours (written by hand, or
+                # unreadable). Skipping it silently would hide it.
+                self._set_aside(row, "no operation is known for this event")
                 continue
             try:
                 messages.extend(self._messages_for(row, *route, limit=limit))
@@ -314,7 +320,7 @@ class Relay:
         line and an event on its operation (`Operation.PublicationSetAside`)."""
         position, operation_id, version, topic, _ = row
         kind = topic.rsplit(".", 1)[-1]
-        reason = reason[:500]
+        reason = reason[:500].replace("\x00", "\ufffd")  # TEXT on PostgreSQL holds no U+0000
         _log.error(
             "relay: event %s of %s (position %s) set aside: %s", version, operation_id,
             position, reason,
@@ -349,14 +355,23 @@ class Relay:
         """
         for _, operation_id, _, topic, stored in rows:
             kind = topic.rsplit(".", 1)[-1]
-            if kind == "Proposed":
-                state = orjson.loads(stored)
-                self._routes.remember(operation_id, (state["tool"], None, state.get("host", "")))
-            elif kind in ("Validated", "Rejected"):
-                known = self._routes.get(operation_id)
-                if known is not None:
-                    version = orjson.loads(stored).get("tool_version")
-                    self._routes.remember(operation_id, (known[0], version, known[2]))
+            try:
+                if kind == "Proposed":
+                    state = orjson.loads(stored)
+                    route = (str(state["tool"]), None, str(state.get("host", "")))
+                    self._routes.remember(operation_id, route)
+                elif kind in ("Validated", "Rejected"):
+                    known = self._routes.get(operation_id)
+                    if known is not None:
+                        version = orjson.loads(stored).get("tool_version")
+                        self._routes.remember(
+                            operation_id, (known[0], None if version is None else str(version),
+                                           known[2])
+                        )
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                # Not an event (a row written by hand): nothing to learn from it;
+                # without a route it is set aside below.
+                continue
 
     def _messages_for(
         self, row: StoredRow, tool: str, tool_version: str | None, host: str, *, limit: int

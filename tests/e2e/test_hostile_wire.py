@@ -149,6 +149,35 @@ def test_tool_names_that_are_not_subject_tokens_are_refused_and_nothing_stalls(
         ledger.close()
 
 
+def test_text_with_control_characters_in_the_context_is_refused(wire: BackendStack) -> None:
+    """Before, on PostgreSQL: `"principal": "a\u0000b"` was stored, then the view's TEXT
+    column refused it on every catch-up, and the relay, the sweeps and every
+    rate-limited proposal of every host stopped, across restarts."""
+
+    async def scenario() -> None:
+        nc = await connect_as(wire.server.url, wire.credentials.host("h2"))
+        host = AgentHostClient(await connect_as(wire.server.url, wire.credentials.host("h1")),
+                               "h1")
+        try:
+            # JSON escapes, as a host in another language would send them.
+            for field, value in (("principal", r"a\u0000b"), ("tenant", r"acme\u0000"),
+                                 ("principal", r"line\nbreak")):
+                envelope = _envelope(operation_id="nul")
+                text = orjson.dumps(envelope).decode().replace(
+                    f'"{field}":"{CONTEXT[field]}"', f'"{field}":"{value}"'
+                )
+                answer = await _ask(nc, "h2", text.encode())
+                assert answer["error"]["code"] == "INVALID_MESSAGE", answer
+                paths = [e["path"] for e in answer["error"]["safe_details"]["errors"]]
+                assert paths == [f"/context/{field}"]
+            await _normal_runs(wire, host)
+        finally:
+            await nc.close()
+            await host.close()
+
+    _run(scenario())
+
+
 def test_a_proposal_just_under_the_message_limit_is_a_finding(wire: BackendStack) -> None:
     """Before: rejected for `length` but stored in full; its feed record was over the
     limit and the relay failed with MaxPayloadError forever."""
@@ -264,6 +293,8 @@ _ENVELOPES = st.one_of(
     st.builds(lambda text: ("text", text), hostile_json_text()),
     st.builds(lambda name: ("tool", name), hostile_names()),
     st.builds(lambda name: ("id", name), hostile_names()),
+    st.builds(lambda name: ("principal", name), hostile_names()),
+    st.builds(lambda name: ("tenant", name), hostile_names()),
     st.builds(lambda data: ("bytes", data), st.binary(max_size=64)),
 )
 
@@ -276,6 +307,9 @@ def _hostile_payload(kind: str, value: Any) -> bytes | None:
         envelope = _envelope(value)
     elif kind == "id":
         envelope = _envelope(operation_id=value)
+    elif kind in ("principal", "tenant"):
+        envelope = _envelope()
+        envelope["context"] = {**CONTEXT, kind: value}
     elif kind == "text":
         envelope = _envelope(arguments=value)
     else:

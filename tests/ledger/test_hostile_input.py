@@ -290,3 +290,18 @@ def test_a_result_no_hash_can_bind_is_an_unknown_outcome_and_fails_no_other(
     assert type(unknown).__name__ == "OutcomeUnknown"
     assert unknown.reason == "the result cannot be recorded: number_out_of_range at /items/0/n"
     assert ledger.results.get_text(ResultStore.reference("hostile", 1)) is None
+
+
+def test_text_postgresql_cannot_store_never_stops_the_view(ledger: Ledger) -> None:
+    """Before, on PostgreSQL: a principal with U+0000 was stored in the event (bytes)
+    but not in the view's TEXT column, and every later catch-up failed: the relay, the
+    sweeps and the budget of every rate-limited proposal stopped. The wire refuses
+    such text now (see tests/e2e); through the Python API it is stored as U+FFFD."""
+    with pytest.raises(ValueError, match="principal"):
+        RuntimeContext(principal="a\x00b", tenant="acme")
+    nul = ALICE.model_copy(update={"principal": "a\x00b"})
+    assert ledger.submit(search("nul"), nul).state is S.READY
+    assert ledger.submit(search("after-nul"), ALICE).state is S.READY
+    ledger.refresh()
+    assert ledger.projector.row("nul").actor == "a\ufffdb"
+    assert ledger.projector.row("after-nul") is not None

@@ -172,3 +172,54 @@ def test_the_payload_limit_server_really_has_that_limit(small_server: NatsServer
 
     assert asyncio.run(limit()) == 65536
     assert Path(small_server.config_path).exists()
+
+
+def _insert_raw(ledger: Ledger, operation_id: str, version: int, topic: str, state: bytes) -> None:
+    """A row written by hand into the events table (its position from the table itself)."""
+    ledger.db.execute(
+        f"INSERT INTO {ledger.events_table} (originator_id, originator_version, topic, state)"
+        " VALUES (?, ?, ?, ?)",
+        (operation_id, version, topic, state),
+    )
+
+
+async def test_rows_that_are_no_events_stop_neither_the_relay_nor_the_view_nor_the_seal(
+    small_server: NatsServer, storage: StorageConfig
+) -> None:
+    """Before: `orjson.loads` in the relay's route learning and `KeyError: 'timestamp'`
+    in the projector, retried forever: no feed, no view, no seal, no sweeps, and every
+    proposal to a rate-limited tool rejected CHECK_FAILED (its budget reads the view)."""
+    ledger = make_ledger(storage)
+    suffix = _suffix(storage)
+    topic = "ledger.domain.operation:Operation.Proposed"
+    nc = await nats.connect(small_server.url)
+    try:
+        js = nc.jetstream()
+        await declare_topology(js, ["search_documents"], ack_wait_s=5, max_deliver=3)
+        relay = Relay(LedgerGateway(ledger), nc)
+        ledger.submit(search(f"known-{suffix}"), ALICE)
+        _insert_raw(ledger, f"garbage-{suffix}", 1, topic, b"\xff\xfe not json")
+        _insert_raw(ledger, f"shape-{suffix}", 1, topic, b'{"hello": 1}')
+        _insert_raw(ledger, f"known-{suffix}", 4, topic.replace("Proposed", "Succeeded"),
+                    b'{"hello": 1}')
+        after = ledger.submit(search(f"after-{suffix}"), ALICE)
+        assert after.state.value == "ready"  # the budget read the view: it is not stuck
+        assert await relay.pump() is False
+
+        ids = await _feed_ids(js, "ops.feed.search_documents.>")
+        assert {f"after-{suffix}:{v}" for v in (1, 2, 3)} <= ids
+        rows = ledger.db.query(
+            f"SELECT operation_id, reason FROM {SET_ASIDE_TABLE} ORDER BY position"
+        )
+        assert [r[0] for r in rows] == [f"garbage-{suffix}", f"shape-{suffix}"]
+        assert all(r[1] == "no operation is known for this event" for r in rows)
+        # The view went past them, and the seal too.
+        assert ledger.projector.row(f"after-{suffix}") is not None
+        assert ledger.projector.row(f"garbage-{suffix}") is None
+        assert ledger.projector.row(f"known-{suffix}").state == "ready"  # v4 did not project
+        ((sealed,),) = ledger.db.query("SELECT MAX(position) FROM opledger_seal_signatures")
+        last = max(row[0] for row in ledger.stored_rows())
+        assert sealed == last
+    finally:
+        await nc.close()
+        ledger.close()
