@@ -56,6 +56,7 @@ def build_ledger(
     lease_grace: timedelta = timedelta(seconds=30),
     seal_key: SealKey | None = None,
     previous_seal_keys: Sequence[str] = (),
+    seal_existing: bool = False,
     seal_grace: timedelta = DEFAULT_SEAL_GRACE,
 ) -> Ledger:
     """A ready ledger over `storage`, checking proposals against pinned contracts.
@@ -66,7 +67,8 @@ def build_ledger(
 
     `seal_key`: the ledger service's key; with it, `Ledger.refresh` seals
     (extends and signs the digest chain), continuing only from a head signed
-    with it or with one of `previous_seal_keys` (public keys it had before).
+    with it or with one of `previous_seal_keys` (public keys it had before);
+    a ledger with events but no signed head only with `seal_existing`.
     Without it the ledger seals nothing, and verification names the events
     nobody sealed once they are older than `seal_grace`. A read-only
     `storage` (`StorageConfig.reading`) gives a ledger that creates and
@@ -91,7 +93,14 @@ def build_ledger(
                 db.execute(statement)
     projector = OperationsProjector(db, events.recorder, create=create)
     sealer = (
-        Sealer(db, events.recorder, seal_key, previous_keys=previous_seal_keys, clock=clock)
+        Sealer(
+            db,
+            events.recorder,
+            seal_key,
+            previous_keys=previous_seal_keys,
+            seal_existing=seal_existing,
+            clock=clock,
+        )
         if seal_key is not None
         else None
     )

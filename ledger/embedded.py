@@ -117,6 +117,9 @@ class EmbeddedStack:
     only. Off by default: they answer without credentials, and `/connz` lists
     every connection's NKey and subscriptions, `/jsz` every stream, to any
     local user. Readiness is then asked over the client port, as the ledger.
+
+    `seal_existing` lets the ledger service seal events no signed head covers
+    yet (a home from before signed heads): see `--seal-existing` of the service.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class EmbeddedStack:
         lease_grace_s: float = 2.0,
         metrics: bool = True,
         monitor: bool = False,
+        seal_existing: bool = False,
         extra_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.home = home.resolve()
@@ -138,6 +142,7 @@ class EmbeddedStack:
         self.lease_grace_s = lease_grace_s
         self.metrics = metrics
         self.monitor = monitor
+        self.seal_existing = seal_existing
         self.extra_env = {k: dict(v) for k, v in (extra_env or {}).items()}
         self.server: NatsServer | None = None
         self.credentials: CredentialSet | None = None
@@ -223,6 +228,8 @@ class EmbeddedStack:
             "--lease-grace",
             str(self.lease_grace_s),
         ]
+        if self.seal_existing:
+            argv.append("--seal-existing")
         if self.contracts_dir is not None:
             argv += ["--contracts", str(self.contracts_dir)]
         if self.metrics:

@@ -264,10 +264,13 @@ class Sealer:
     seal rows stored after that head: they are nobody's it can vouch for.
 
     It never continues from a head it cannot vouch for: signature rows that
-    none of its keys made, or none left although it signed before, mean that
-    someone rewrote the seal, and sealing on top would sign their version.
-    It refuses (`SealRefused`) until an operator decides (a rotated key given
-    as a previous key, or the seal tables cleared on purpose).
+    none of its keys made, none left although there are events it did not
+    watch arrive, or fewer than it signed itself, mean that someone rewrote
+    the seal, and sealing on top would sign their version. It refuses
+    (`SealRefused`) until an operator decides: a rotated key is given as a
+    previous key, or `seal_existing` says to seal a ledger that was never
+    sealed (one from before signed heads, or after a deliberate reset), from
+    its first event, once.
     """
 
     def __init__(
@@ -277,6 +280,7 @@ class Sealer:
         key: SealKey,
         *,
         previous_keys: Iterable[str] = (),
+        seal_existing: bool = False,
         batch_size: int = 500,
         clock: Callable[[], datetime] = _utcnow,
     ) -> None:
@@ -287,6 +291,7 @@ class Sealer:
         self._batch_size = batch_size
         self._clock = clock
         self._head: SignedHead | None = None  # the last head known good, cached
+        self._signed_up_to = 0  # the last position this process signed itself
         with db.transaction():
             for statement in SCHEMA:
                 db.execute(statement)
@@ -295,6 +300,11 @@ class Sealer:
                 " ON CONFLICT (name) DO NOTHING",
                 (_POSITION_NAME,),
             )
+        # A ledger without a signed head may be sealed from its first event
+        # only if it had no events when this sealer started (it sees every
+        # one arrive), or when the operator says so: the database alone can
+        # not tell a ledger never sealed from one whose seal was erased.
+        self._may_start = seal_existing or not recorder.select_notifications(start=0, limit=1)
 
     def seal(self) -> int:
         """Seal every event not yet sealed; returns how many."""
@@ -314,22 +324,25 @@ class Sealer:
         if rows and self._head is not None and SignedHead.from_row(rows[0]) == self._head:
             return self._head  # what this process signed or checked last: no new check
         if not rows:
-            sealed = self._db.query(
-                "SELECT position FROM opledger_positions WHERE name = ?", (_POSITION_NAME,)
-            )
-            if sealed and int(sealed[0][0]) > 0:
+            if self._signed_up_to or not self._may_start:
                 raise SealRefused(
-                    f"the seal was signed up to position {sealed[0][0]} and its signatures"
-                    " are gone: not sealing over it"
+                    "events are stored that no signed head covers, and no head is left:"
+                    " not sealing them as they are (after a deliberate reset, or for a"
+                    " ledger never sealed, start the service once with --seal-existing)"
                 )
             self._head = None
-            return None  # never sealed (or sealed before heads were signed): from the start
+            return None  # a ledger this sealer watched from its start: from the first event
         for row in self._db.query(
             "SELECT position, running_digest, sealed_at, public_key, signature"
             f" FROM {SIGNATURES_TABLE} ORDER BY position DESC"
         ):
             head = SignedHead.from_row(row)
             if self._trusted.valid(head):
+                if head.position < self._signed_up_to:
+                    raise SealRefused(
+                        f"heads this service signed up to position {self._signed_up_to} are"
+                        f" gone (the newest left is at {head.position}): not sealing over it"
+                    )
                 self._head = head
                 return head
         raise SealRefused(
@@ -388,4 +401,5 @@ class Sealer:
                 (signed.position, _POSITION_NAME),
             )
         self._head = signed
+        self._signed_up_to = signed.position
         return len(notifications)

@@ -88,12 +88,18 @@ def _up(argv: Sequence[str]) -> int:
         help="also run nats-server's HTTP monitoring endpoints, on 127.0.0.1 (they need no"
         " credentials and list every connection's key and subscriptions)",
     )
+    parser.add_argument(
+        "--seal-existing",
+        action="store_true",
+        help="let the ledger service seal events no signed head covers yet (a home written"
+        " by a version before signed heads); see docs/operations.md",
+    )
     args = parser.parse_args(argv)
     home = args.home or Settings().home
     if running_stack(home) is not None:
         print(f"error: a stack is already running from {home}", file=sys.stderr)
         return 2
-    stack = EmbeddedStack(home, monitor=args.monitor)
+    stack = EmbeddedStack(home, monitor=args.monitor, seal_existing=args.seal_existing)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

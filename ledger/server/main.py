@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a public key (U...) this service sealed with before its key was rotated"
         " (repeatable): the seal continues from heads it signed",
     )
+    parser.add_argument(
+        "--seal-existing",
+        action="store_true",
+        help="seal events no signed head covers yet, from the first: once, for a ledger"
+        " never sealed (from before signed heads) or after a deliberate reset of the seal",
+    )
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here")
     parser.add_argument("--metrics-addr", default="127.0.0.1")
@@ -169,6 +175,7 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
             lease_grace=timedelta(seconds=args.lease_grace),
             seal_key=seal_key,
             previous_seal_keys=args.previous_seal_keys,
+            seal_existing=args.seal_existing,
         )
     except (OpledgerError, ImportError, AttributeError, ValueError, OSError) as exc:
         print(f"error: cannot start the ledger service: {exc}", file=sys.stderr)

@@ -333,3 +333,44 @@ def test_a_rotated_key_continues_the_seal_given_the_previous_one(
     assert report["ok"], report["findings"]
     unaware.close()
     told.close()
+
+
+def test_an_erased_seal_is_not_signed_again_by_a_restarted_service_either(
+    storage: StorageConfig, sealed: Ledger, capsys: Any
+) -> None:
+    """Before: with the signatures, the digest rows and the seal's position row reset,
+    the ledger looked never sealed, and the service sealed the rewrite from the first
+    event with its own key; plain verify then said OK. A service started on a ledger
+    with events but no signed head now refuses, unless told (--seal-existing)."""
+    _rewrite_history(sealed)
+    for statement in ("DELETE FROM opledger_seal_signatures", "DELETE FROM opledger_digest",
+                      "UPDATE opledger_positions SET position = 0 WHERE name = 'seal'"):
+        sealed.db.execute(statement)
+    sealed.refresh()  # the service that was running
+    restarted = make_ledger(storage)  # a service started afresh on the same database
+    restarted.refresh()
+    assert _seal_tables(sealed) == ([], [])
+    report = cli_json(capsys, "audit", "verify", *TRUST, "--seal-grace", "0", expect=1)
+    assert report["signed_head"] is None
+    told = make_ledger(storage, seal_existing=True)  # the operator decides, knowingly
+    told.refresh()
+    assert len(_seal_tables(sealed)[1]) == 1
+    for ledger in (restarted, told):
+        ledger.close()
+
+
+def test_heads_this_service_signed_are_not_given_up_for_older_ones(
+    sealed: Ledger,
+) -> None:
+    """While it runs, the service knows how far it signed: signatures cut back to an
+    older head (with the events after it rewritten) are not sealed over."""
+    _, signatures = _seal_tables(sealed)
+    newest = SignedHead.from_row(signatures[-1]).position
+    sealed.db.execute("DELETE FROM opledger_seal_signatures WHERE position = ?", (newest,))
+    sealed.db.execute("DELETE FROM opledger_digest WHERE notification_id > ?",
+                      (SignedHead.from_row(signatures[0]).position,))
+    sealed.submit(search("op-9"), ALICE)
+    sealed.refresh()
+    assert [SignedHead.from_row(r).position for r in _seal_tables(sealed)[1]] == [
+        SignedHead.from_row(signatures[0]).position
+    ]
