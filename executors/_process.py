@@ -120,20 +120,23 @@ class ItemDisposition:
     envelope: ResultEnvelope | None = None
     delay_s: float | None = None
 
-    @property
-    def msg_id(self) -> str | None:
-        """The `Nats-Msg-Id` header for the envelope, if there is one."""
-        return result_msg_id(self.envelope) if self.envelope is not None else None
 
 
-def result_msg_id(envelope: ResultEnvelope) -> str:
-    """`<operation_id>:<attempt>:<fencing_token>`: one attempt's result, deduplicated.
+def result_msg_id(envelope: ResultEnvelope, nonce: str) -> str:
+    """`<tool>:<operation_id>:<attempt>:<fencing_token>:<nonce>`: one result, deduplicated.
 
     A republish of the same result after a lost PubAck carries the same ID,
     so JetStream drops it within its duplicate window; the ledger makes any
-    later duplicate converge by the fencing token.
+    later duplicate converge by the fencing token. The nonce (random, one
+    per result, kept across its retries) is what makes the ID unguessable:
+    deduplication spans the whole results stream, every tool's subject, so
+    an executor of another tool that published first under a predictable ID
+    would have had this result dropped as its duplicate.
     """
-    return f"{envelope.operation_id}:{envelope.provenance.attempt}:{envelope.fencing_token}"
+    return (
+        f"{envelope.provenance.tool}:{envelope.operation_id}:{envelope.provenance.attempt}"
+        f":{envelope.fencing_token}:{nonce}"
+    )
 
 
 def _utcnow() -> datetime:

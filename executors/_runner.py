@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -327,7 +328,7 @@ class ExecutorRunner:
 
     async def _publish(self, envelope: ResultEnvelope, msg: Any) -> bool:
         payload = envelope.model_dump_json().encode()
-        msg_id = result_msg_id(envelope)
+        msg_id = result_msg_id(envelope, secrets.token_hex(8))
         for attempt in range(1, self._publish_attempts + 1):
             try:
                 ack = await self._js.publish(

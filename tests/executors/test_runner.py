@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -190,7 +191,9 @@ def test_pulls_from_its_consumer_and_publishes_before_acking() -> None:
         ("close",),
     ]
     (published,) = fake.published
-    assert published["headers"] == {"Nats-Msg-Id": "op-1:2:5"}
+    assert list(published["headers"]) == ["Nats-Msg-Id"]
+    msg_id = published["headers"]["Nats-Msg-Id"]
+    assert re.fullmatch(r"search_documents:op-1:2:5:[0-9a-f]{16}", msg_id)
     assert published["stream"] == "OPS_RESULTS"
     envelope = ResultEnvelope.model_validate_json(published["payload"])
     assert envelope.ok
@@ -223,7 +226,9 @@ def test_a_lost_puback_is_retried_with_the_same_message_id() -> None:
     fake = FakeNats({"op-1": _execute("op-1")}, failing_publishes=1)
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
     asyncio.run(_runner(fake).run())
-    assert [p["headers"]["Nats-Msg-Id"] for p in fake.published] == ["op-1:2:5", "op-1:2:5"]
+    first, again = (p["headers"]["Nats-Msg-Id"] for p in fake.published)
+    assert first == again
+    assert re.fullmatch(r"search_documents:op-1:2:5:[0-9a-f]{16}", first)
     assert ("ack", "m1") in fake.events
     assert fake.events.index(("publish", "ops.result.search_documents")) < fake.events.index(
         ("ack", "m1")
