@@ -142,7 +142,14 @@ class AgentHostClient:
                     raise LedgerUnavailable("no ledger service answered") from None
                 await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
                 continue
-            return bytes(reply.data)
+            data = bytes(reply.data)
+            busy = _busy_wait_s(data)
+            if busy is not None and attempt + 1 < attempts:
+                # Too many of this host's requests wait at the ledger: a retry
+                # is safe (proposals are idempotent by their operation ID).
+                await asyncio.sleep(max(busy, min(0.2 * 2**attempt, 2.0)))
+                continue
+            return data
         raise LedgerUnavailable("no ledger service answered")
 
     async def propose(
@@ -225,3 +232,16 @@ class AgentHostClient:
                 if not waiters:
                     del self._waiters[operation_id]
             waiter.cancel()
+
+
+def _busy_wait_s(data: bytes) -> float | None:
+    """Seconds to wait if `data` is a LEDGER_BUSY answer (None: any other answer)."""
+    if b"LEDGER_BUSY" not in data:  # the common case, without decoding
+        return None
+    try:
+        error = orjson.loads(data).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    if error.get("code") != "LEDGER_BUSY":
+        return None
+    return float(error.get("retry_after_ms") or 0) / 1000

@@ -35,7 +35,8 @@ _log = logging.getLogger(__name__)
 _STATUS = "Status"
 _PENDING = "Nats-Pending-Messages"
 _REFUSED_PAUSE_S = 1.0
-_MAX_BYTES_REACHED = "Exceeds MaxBytes"  # "409 Message Size Exceeds MaxBytes"
+# The 409s that end a pull request with `max_bytes` normally (nats-server consumer.go).
+_ENDED = frozenset({"Message Size Exceeds MaxBytes", "Batch Completed"})
 
 
 class PullConsumer:
@@ -198,8 +199,9 @@ class PullConsumer:
             # left unused; without that count, assume all credit is gone.
             pending = headers.get(_PENDING)
             self._credit = max(self._credit - int(pending), 0) if pending else 0
-            if status == "409" and _MAX_BYTES_REACHED in headers.get("Description", ""):
-                # A request that delivered its `max_bytes` ended: not a refusal.
+            if status == "409" and headers.get("Description", "") in _ENDED:
+                # A request with `max_bytes` that ended (its bytes used up, or its
+                # batch delivered with bytes to spare): not a refusal.
                 if self._waiter is not None and not self._closed:
                     await self._ask()
                 return

@@ -10,16 +10,28 @@ ledger's own work per operation is what the CPU is for.
 Why many at a time: a nats-py subscription calls its callback for one message
 after another. A handler waits for the ledger's next batch, so serving one
 request at a time would make every batch hold one request. Each request runs
-in its own task instead, up to `limit` at once; beyond that the callback
-waits, and the subscription's pending buffer queues the rest (back-pressure,
-not loss of answered work: an unanswered request is the requester's timeout).
+in its own task instead, up to `limit` at once.
+
+Why per requester: the requests of all hosts (and, on `ops.lease.*`, of all
+tools) share one subscription. Served in arrival order, one host sending
+thousands at once put every other host's requests behind its own: they
+timed out. So the callback never waits: it queues each request under its
+subject (one requester: `ops.propose.h1`, `ops.lease.search_documents`), and
+requests are started in turn, one requester after another, with at most
+`per_requester` of one requester in progress. A requester with more than
+`waiting_per_requester` requests (or `max_waiting_bytes`) already waiting is
+answered `LEDGER_BUSY` at once, retryable: its sender alone is slowed down.
+Memory is bounded in bytes as well as in number: what is in progress by
+`max_bytes`, what waits by the per-requester limits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -45,26 +57,51 @@ _TOO_LARGE = (
     .encode()
 )
 
+_BUSY = (
+    ProposeReply(
+        error=ErrorInfo(
+            code="LEDGER_BUSY",
+            category=ErrorCategory.TRANSIENT,
+            message="too many of this requester's requests are waiting: retry shortly",
+            retryable=True,
+            retry_after_ms=200,
+        )
+    )
+    .model_dump_json()
+    .encode()
+)
+
 Handler = Callable[[bytes, str], Awaitable[bytes]]
 """Serves one request: (payload, last subject token) → reply payload. Never raises on bad input."""
 
 
 class RequestServer:
-    """Serves request subjects in a queue group, answering only inside the requester's inbox."""
+    """Serves request subjects in a queue group, answering only inside the requester's inbox,
+    fairly across requesters (see the module docstring)."""
 
     def __init__(
-        self, nc: Client, *, queue: str, limit: int = 512, max_bytes: int = 64 * 1024 * 1024
+        self,
+        nc: Client,
+        *,
+        queue: str,
+        limit: int = 512,
+        max_bytes: int = 64 * 1024 * 1024,
+        per_requester: int = 128,
+        waiting_per_requester: int = 256,
+        max_waiting_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         self._nc = nc
         self._queue = queue
-        self._slots = asyncio.Semaphore(limit)
-        # Requests in progress are bounded in bytes as well as in number: 512
-        # proposals of 1 MiB would be half a gigabyte. Past the budget the
-        # callback waits, and the subscription's own pending limits hold (or,
-        # past those, drop) the rest: the requesters time out and retry.
+        self._limit = limit
         self._max_bytes = max_bytes
-        self._bytes = 0
-        self._freed = asyncio.Condition()
+        self._per_requester = per_requester
+        self._waiting_limit = waiting_per_requester
+        self._max_waiting_bytes = max_waiting_bytes
+        # Requesters with requests waiting, in the order their turn comes.
+        self._waiting: OrderedDict[str, _Waiting] = OrderedDict()
+        self._active: dict[str, int] = {}
+        self._started = 0  # requests in progress
+        self._bytes = 0  # their payload bytes
         self._running: set[asyncio.Task[None]] = set()
         self._subscriptions: list[Subscription] = []
 
@@ -72,38 +109,74 @@ class RequestServer:
         """Subscribe `subject` (a wildcard ending in `*`) and answer with `handler`."""
 
         async def callback(message: Msg) -> None:
-            size = len(message.data)
-            await self._slots.acquire()
-            if self._bytes and self._bytes + size > self._max_bytes:
-                async with self._freed:
-                    await self._freed.wait_for(
-                        lambda: not self._bytes or self._bytes + size <= self._max_bytes
-                    )
-            self._bytes += size
-            task = asyncio.get_running_loop().create_task(self._answer(message, handler))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._arrived(message, handler)
 
         self._subscriptions.append(
-            await self._nc.subscribe(
-                subject,
-                queue=self._queue,
-                cb=callback,
-                pending_bytes_limit=self._max_bytes,
-            )
+            await self._nc.subscribe(subject, queue=self._queue, cb=callback)
         )
 
-    async def _answer(self, message: Msg, handler: Handler) -> None:
-        try:
-            if not reply_allowed(message.subject, message.reply):
-                # The server does not check reply subjects: answering anywhere
-                # else would let one client make the ledger publish for it.
-                _log.warning(
-                    "not answering %s at %r: outside the requester's inbox",
-                    message.subject,
-                    message.reply,
+    def _arrived(self, message: Msg, handler: Handler) -> None:
+        if not reply_allowed(message.subject, message.reply):
+            # The server does not check reply subjects: answering anywhere
+            # else would let one client make the ledger publish for it.
+            _log.warning(
+                "not answering %s at %r: outside the requester's inbox",
+                message.subject,
+                message.reply,
+            )
+            return
+        requester = message.subject
+        waiting = self._waiting.get(requester)
+        if waiting is None:
+            waiting = self._waiting[requester] = _Waiting()
+        size = len(message.data)
+        if len(waiting.items) >= self._waiting_limit or (
+            waiting.items and waiting.bytes + size > self._max_waiting_bytes
+        ):
+            self._busy(message)
+            return
+        waiting.items.append((message, handler))
+        waiting.bytes += size
+        self._admit()
+
+    def _busy(self, message: Msg) -> None:
+        task = asyncio.get_running_loop().create_task(self._reply(message, _BUSY))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def _admit(self) -> None:
+        """Start waiting requests, one requester after another, while there is room."""
+        blocked: set[str] = set()
+        while self._started < self._limit and len(blocked) < len(self._waiting):
+            for requester in list(self._waiting):
+                if self._started >= self._limit:
+                    return
+                waiting = self._waiting[requester]
+                message, handler = waiting.items[0]
+                size = len(message.data)
+                if self._active.get(requester, 0) >= self._per_requester or (
+                    self._bytes and self._bytes + size > self._max_bytes
+                ):
+                    blocked.add(requester)
+                    continue
+                waiting.items.popleft()
+                waiting.bytes -= size
+                if waiting.items:
+                    self._waiting.move_to_end(requester)  # its next turn after the others'
+                else:
+                    del self._waiting[requester]
+                    blocked.discard(requester)
+                self._active[requester] = self._active.get(requester, 0) + 1
+                self._started += 1
+                self._bytes += size
+                task = asyncio.get_running_loop().create_task(
+                    self._answer(requester, message, handler)
                 )
-                return
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _answer(self, requester: str, message: Msg, handler: Handler) -> None:
+        try:
             token = message.subject.rsplit(".", 1)[-1]
             payload = await handler(message.data, token)
             if len(payload) > self._nc.max_payload - _HEADER_ROOM:
@@ -117,10 +190,20 @@ class RequestServer:
             # it here, since the requester only sees its own timeout.
             _log.exception("request on %s failed", message.subject)
         finally:
-            self._slots.release()
+            self._started -= 1
             self._bytes -= len(message.data)
-            async with self._freed:
-                self._freed.notify_all()
+            left = self._active[requester] - 1
+            if left:
+                self._active[requester] = left
+            else:
+                del self._active[requester]
+            self._admit()
+
+    async def _reply(self, message: Msg, payload: bytes) -> None:
+        try:
+            await self._nc.publish(message.reply, payload)
+        except Exception as exc:  # a closed connection: the requester retries
+            _log.debug("reply on %s failed: %s", message.subject, type(exc).__name__)
 
     async def stop(self) -> None:
         """Stop taking requests and let the ones in progress finish."""
@@ -130,10 +213,19 @@ class RequestServer:
             except Exception as exc:  # a closed connection: nothing left to stop
                 _log.debug("unsubscribe failed: %s", type(exc).__name__)
         self._subscriptions.clear()
+        self._waiting.clear()  # never started: their requesters time out and retry
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
 
     @property
     def in_progress(self) -> int:
         """Requests being served right now."""
-        return len(self._running)
+        return self._started
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """One requester's requests not yet started, oldest first, and their bytes."""
+
+    items: deque[tuple[Msg, Handler]] = field(default_factory=deque)
+    bytes: int = 0

@@ -255,3 +255,27 @@ async def test_after_a_server_crash_pulling_resumes_at_once(tmp_path: Path) -> N
         for server in (first, second):
             if server is not None:
                 server.stop()
+
+
+@pytest.mark.parametrize("max_bytes", [120, 1_000_000], ids=["bytes-used-up", "batch-completed"])
+async def test_pull_requests_with_max_bytes_end_without_a_pause(nc: Client, max_bytes: int) -> None:
+    """With `max_bytes` the server ends a pull request with a 409 ("Message Size Exceeds
+    MaxBytes" when its bytes ran out, "Batch Completed" when its batch was delivered
+    with bytes left): not a refusal. Taken for one, each ended the results consumer's
+    pulls with a second of pause (the pause for refused pulls)."""
+    js = nc.jetstream(timeout=2)
+    consumer = await _started(nc, max_bytes=max_bytes)
+    loop = asyncio.get_running_loop()
+    try:
+        waits = []
+        for n in range(6):
+            await js.publish(SUBJECT, b"x" * 40)
+            started = loop.time()
+            with anyio.fail_after(5):
+                taken = await consumer.take(1 if n % 2 else 3, timeout=3)
+            waits.append(loop.time() - started)
+            assert len(taken) == 1
+            await taken[0].ack()
+    finally:
+        await consumer.stop()
+    assert max(waits) < 0.5, waits
