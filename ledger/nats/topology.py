@@ -53,6 +53,7 @@ from schemas import (
 )
 
 __all__ = [
+    "RESULTS_KEPT_PER_TOOL",
     "DeclaredTopology",
     "consumer_configs",
     "declare_topology",
@@ -68,6 +69,7 @@ _STREAM_FIELDS = (
     "duplicate_window",
     "num_replicas",
     "allow_direct",
+    "max_msgs_per_subject",
 )
 _CONSUMER_FIELDS = (
     "durable_name",
@@ -89,7 +91,18 @@ class DeclaredTopology:
     unchanged: tuple[str, ...]
 
 
-def stream_configs(*, duplicate_window_s: float = 120, replicas: int = 1) -> list[StreamConfig]:
+RESULTS_KEPT_PER_TOOL = 10_000
+"""Results kept per tool's subject in `OPS_RESULTS` (the oldest go first): recorded
+results are not needed again, and an executor publishing junk in a loop fills its
+own tool's share of the disk, not the stream, nor other tools' results."""
+
+
+def stream_configs(
+    *,
+    duplicate_window_s: float = 120,
+    replicas: int = 1,
+    results_kept_per_tool: int = RESULTS_KEPT_PER_TOOL,
+) -> list[StreamConfig]:
     """The three streams' configurations."""
     return [
         StreamConfig(
@@ -111,6 +124,7 @@ def stream_configs(*, duplicate_window_s: float = 120, replicas: int = 1) -> lis
             duplicate_window=duplicate_window_s,
             num_replicas=replicas,
             allow_direct=False,
+            max_msgs_per_subject=results_kept_per_tool,
         ),
         StreamConfig(
             name=FEED_STREAM,
@@ -223,6 +237,7 @@ async def declare_topology(
     max_deliver: int,
     duplicate_window_s: float = 120,
     replicas: int = 1,
+    results_kept_per_tool: int = RESULTS_KEPT_PER_TOOL,
 ) -> DeclaredTopology:
     """Create or update the streams and durable pull consumers (see the module docstring).
 
@@ -230,7 +245,11 @@ async def declare_topology(
     of every stream and consumer (3 on a three-node cluster).
     """
     done: dict[str, list[str]] = {"created": [], "updated": [], "unchanged": []}
-    for stream in stream_configs(duplicate_window_s=duplicate_window_s, replicas=replicas):
+    for stream in stream_configs(
+        duplicate_window_s=duplicate_window_s,
+        replicas=replicas,
+        results_kept_per_tool=results_kept_per_tool,
+    ):
         assert stream.name is not None
         done[await _declare_stream(js, stream)].append(stream.name)
     for stream_name, consumer in consumer_configs(

@@ -144,3 +144,30 @@ async def test_replicas_on_a_three_node_cluster(tmp_path: Path) -> None:
     finally:
         for node in nodes:
             node.stop()
+
+
+async def test_an_executor_publishing_in_a_loop_fills_only_its_own_share_of_results(
+    server: NatsServer,
+) -> None:
+    """The results stream kept everything forever: an executor publishing junk in a
+    loop filled the disk for everyone. Now each tool's subject keeps its newest
+    `results_kept_per_tool`, and the others' results stay."""
+    with anyio.fail_after(10):
+        nc = await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
+        js = nc.jetstream(timeout=1)
+        try:
+            await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5,
+                                   results_kept_per_tool=5)
+            for n in range(3):
+                await js.publish(f"ops.result.{TOOLS[1]}", f"legit-{n}".encode())
+            for n in range(40):
+                await js.publish(f"ops.result.{TOOLS[0]}", f"junk-{n}".encode())
+            state = (await js.stream_info(RESULTS_STREAM)).state
+            assert state.messages == 5 + 3
+            kept = await js.get_last_msg(RESULTS_STREAM, f"ops.result.{TOOLS[1]}")
+            assert kept.data == b"legit-2"
+            # A deployment from before the limit is updated in place.
+            again = await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5)
+            assert RESULTS_STREAM in again.updated
+        finally:
+            await nc.close()
