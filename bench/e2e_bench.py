@@ -88,7 +88,14 @@ from ledger.client import AgentHostClient
 from ledger.nats import CredentialSet, NatsServer, connect_as, flush_all, generate_credentials
 from ledger.nats.security import LEDGER_USERS_END, new_user_seed
 from policy.catalog import CATALOG_DIR
-from schemas import PullConsumer, RuntimeContext, StatusRequest, Subjects, ToolProposal
+from schemas import (
+    PullConsumer,
+    RuntimeContext,
+    StatusRequest,
+    Subjects,
+    ToolProposal,
+    ledger_operation_id,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -672,7 +679,9 @@ def latency_breakdown(
     stages: dict[str, list[float]] = {name: [] for name, _ in STAGES}
     try:
         for operation_id, (sent, received) in itertools.islice(timeline.items(), limit):
-            at = {type(e).__name__: e.timestamp.timestamp() for e in ledger.history(operation_id)}
+            # The ledger knows the host's operations by `<host>/<id>`.
+            history = ledger.history(ledger_operation_id(HOST, operation_id))
+            at = {type(e).__name__: e.timestamp.timestamp() for e in history}
             if not {"Readied", "LeaseClaimed", "Succeeded"} <= at.keys():
                 continue
             cuts = (sent, at["Readied"], at["LeaseClaimed"], at["Succeeded"], received)

@@ -223,7 +223,7 @@ class Ledger:
         projected = self.projector.catch_up()
         if self.sealer is not None:
             try:
-                self.sealer.seal()
+                self.sealer.seal(self.projector.projected)
             except SealRefused as refused:
                 # Loud but not fatal: the feed, work and outcomes must go on
                 # (the feed is the auditors' witness of what happened meanwhile).

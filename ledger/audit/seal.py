@@ -28,7 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +37,7 @@ from typing import Any
 import nacl.exceptions
 import nacl.signing
 import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
-from eventsourcing.persistence import ApplicationRecorder
+from eventsourcing.persistence import ApplicationRecorder, Notification
 
 from ledger.adapters.sql import SqlDatabase
 from ledger.domain.hashing import GENESIS_HASH, chain_digest, stored_event_hash
@@ -306,11 +306,17 @@ class Sealer:
         # not tell a ledger never sealed from one whose seal was erased.
         self._may_start = seal_existing or not recorder.select_notifications(start=0, limit=1)
 
-    def seal(self) -> int:
-        """Seal every event not yet sealed; returns how many."""
+    def seal(self, known: tuple[int, Sequence[Notification]] = (0, ())) -> int:
+        """Seal every event not yet sealed; returns how many.
+
+        `known`: notifications just read after a position (the view's), in
+        order; used instead of reading the log again where the seal starts at
+        that same position.
+        """
         total = 0
+        after, notifications = known
         while True:
-            count = self._seal_batch()
+            count = self._seal_batch(after, notifications)
             total += count
             if count < self._batch_size:
                 return total
@@ -350,7 +356,7 @@ class Sealer:
             " not sealing over a seal someone else signed"
         )
 
-    def _seal_batch(self) -> int:
+    def _seal_batch(self, after: int, known: Sequence[Notification]) -> int:
         db = self._db
         with db.transaction():
             lock = " FOR UPDATE" if db.is_postgres else ""
@@ -359,9 +365,14 @@ class Sealer:
             head = self.head()
             position, digest = (head.position, head.digest) if head else (0, GENESIS_HASH)
             db.execute(f"DELETE FROM {DIGEST_TABLE} WHERE notification_id > ?", (position,))
-            notifications = self._recorder.select_notifications(
-                start=position, limit=self._batch_size, inclusive_of_start=False
-            )
+            notifications: Sequence[Notification]
+            if known and position >= after and known[-1].id > position:
+                # The view read these from `after` on: the ones after our head.
+                notifications = [n for n in known if n.id > position][: self._batch_size]
+            else:
+                notifications = self._recorder.select_notifications(
+                    start=position, limit=self._batch_size, inclusive_of_start=False
+                )
             if not notifications:
                 return 0
             rows: list[tuple[Any, ...]] = []

@@ -169,42 +169,52 @@ def fold_event(
     The view is this fold over each operation's events in version order,
     and nothing else: the projector writes what it returns, and verification
     recomputes it from the events to check the table, so the two cannot
-    drift. None: no row (events before the operation's `Proposed`).
+    drift. None: no row (events before the operation's `Proposed`). Raises
+    for a state that is no event; `fold_stored` is the total form.
     """
     kind = _event_type(topic)
-    timestamp = _normalized(state["timestamp"])
     if kind == "Proposed":
-        return {
-            "operation_id": operation_id,
-            "state": "proposed",
-            "tool": state["tool"],
-            "tool_version": None,
-            "actor": state["actor"],
-            "tenant": state["tenant"],
-            "risk": None,
-            "attempts": 0,
-            "created_at": timestamp,
-            "updated_at": timestamp,
-            "last_version": version,
-            "approval_id": None,
-            "approval_expires_at": None,
-            "approvals_required": 0,
-            "approvals_granted": 0,
-            "proposal_hash": None,
-            "host": state.get("host", ""),
-            "lease_expires_at": None,
-        }
+        return _proposed_row(operation_id, version, state)
     if row is None:
         return None
-    row["updated_at"] = timestamp
-    row["last_version"] = version
-    for column, value in _STATE_CHANGES.get(kind, {}).items():
-        row[column] = value(state) if callable(value) else value
-    if kind == "ApprovalGranted":
-        row["approvals_granted"] += 1
-    elif kind == "CancelRequested" and row["state"] == "executing":
-        row["state"] = "cancel_requested"
+    row.update(_changes(row, version, kind, state))
     return row
+
+
+def _proposed_row(operation_id: str, version: int, state: dict[str, Any]) -> Row:
+    timestamp = _normalized(state["timestamp"])
+    return {
+        "operation_id": operation_id,
+        "state": "proposed",
+        "tool": state["tool"],
+        "tool_version": None,
+        "actor": state["actor"],
+        "tenant": state["tenant"],
+        "risk": None,
+        "attempts": 0,
+        "created_at": timestamp,
+        "updated_at": timestamp,
+        "last_version": version,
+        "approval_id": None,
+        "approval_expires_at": None,
+        "approvals_required": 0,
+        "approvals_granted": 0,
+        "proposal_hash": None,
+        "host": state.get("host", ""),
+        "lease_expires_at": None,
+    }
+
+
+def _changes(row: Row, version: int, kind: str, state: dict[str, Any]) -> Row:
+    """The columns one event (not the first) changes, computed before any is written."""
+    changes: Row = {"updated_at": _normalized(state["timestamp"]), "last_version": version}
+    for column, value in _STATE_CHANGES.get(kind, {}).items():
+        changes[column] = value(state) if callable(value) else value
+    if kind == "ApprovalGranted":
+        changes["approvals_granted"] = row["approvals_granted"] + 1
+    elif kind == "CancelRequested" and row["state"] == "executing":
+        changes["state"] = "cancel_requested"
+    return changes
 
 
 def fold_stored(
@@ -222,18 +232,27 @@ def fold_stored(
         state = orjson.loads(stored) if isinstance(stored, bytes | bytearray) else stored
         if type(state) is not dict:
             return row
-        folded = fold_event(
-            None if row is None else dict(row), operation_id, version, topic, state
-        )
+        kind = _event_type(topic)
+        if kind == "Proposed":
+            changes = _proposed_row(operation_id, version, state)
+        elif row is None:
+            return None
+        else:
+            changes = _changes(row, version, kind, state)
     except Exception:
         return row
-    if folded is not None:
-        for column, value in folded.items():
-            if type(value) is str:
-                folded[column] = view_text(value)
-            elif value is not None and type(value) is not int:
-                return row  # a value of a type no column takes: not an event
-    return folded
+    # Only what the event changes is checked, before anything is written.
+    for column, value in changes.items():
+        if type(value) is str:
+            if "\x00" in value:
+                changes[column] = view_text(value)
+        elif value is not None and type(value) is not int:
+            return row  # a value of a type no column takes: not an event
+    if kind == "Proposed":
+        return changes
+    assert row is not None
+    row.update(changes)
+    return row
 
 
 def view_text(text: str) -> str:
@@ -262,6 +281,7 @@ class OperationsProjector:
         self._db = db
         self._recorder = recorder
         self._batch_size = batch_size
+        self.projected: tuple[int, list[Notification]] = (0, [])
         if not create:
             return
         with db.transaction():
@@ -293,8 +313,14 @@ class OperationsProjector:
         return int(rows[0][0]) if rows else 0
 
     def catch_up(self) -> int:
-        """Project every notification not yet in the view; returns how many."""
+        """Project every notification not yet in the view; returns how many.
+
+        `projected` then holds the position the view started from and the
+        notifications it took in, in order, for the sealer to reuse when it
+        starts from the same position (one read of the log, not two).
+        """
         total = 0
+        self.projected = (self.position(), [])
         while True:
             count = self._project_batch()
             total += count
@@ -345,6 +371,7 @@ class OperationsProjector:
             )
             if not notifications:
                 return 0
+            self.projected[1].extend(notifications)
             before, after = self._fold(notifications)
             inserts = [
                 tuple(row[column] for column in ROW_COLUMNS)
