@@ -35,6 +35,13 @@ class Recent(OrderedDict[K, V]):
 
     def remember(self, key: K, value: V, weight: int = 1) -> None:
         """Store `value` as the newest entry, dropping the oldest beyond the bounds."""
+        if self.max_weight is None:
+            # Bounded by count alone (most uses): no weights to keep.
+            self[key] = value
+            self.move_to_end(key)
+            while len(self) > self.limit:
+                self.popitem(last=False)
+            return
         self.pop(key, None)
         if self.max_weight is not None and weight > self.max_weight:
             return

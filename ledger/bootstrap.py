@@ -57,6 +57,7 @@ def build_ledger(
     seal_key: SealKey | None = None,
     previous_seal_keys: Sequence[str] = (),
     seal_existing: bool = False,
+    seal_every: timedelta = timedelta(0),
     seal_grace: timedelta = DEFAULT_SEAL_GRACE,
 ) -> Ledger:
     """A ready ledger over `storage`, checking proposals against pinned contracts.
@@ -68,7 +69,8 @@ def build_ledger(
     `seal_key`: the ledger service's key; with it, `Ledger.refresh` seals
     (extends and signs the digest chain), continuing only from a head signed
     with it or with one of `previous_seal_keys` (public keys it had before);
-    a ledger with events but no signed head only with `seal_existing`.
+    a ledger with events but no signed head only with `seal_existing`; at
+    most once per `seal_every` (the service: a quarter second).
     Without it the ledger seals nothing, and verification names the events
     nobody sealed once they are older than `seal_grace`. A read-only
     `storage` (`StorageConfig.reading`) gives a ledger that creates and
@@ -99,6 +101,7 @@ def build_ledger(
             seal_key,
             previous_keys=previous_seal_keys,
             seal_existing=seal_existing,
+            every=seal_every,
             clock=clock,
         )
         if seal_key is not None

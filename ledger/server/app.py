@@ -321,6 +321,11 @@ class LedgerService:
                 await self.broker.connection.close()
         if self.gateway is not None:
             await self.gateway.stop()
+        # The seal runs at most every quarter second: seal the tail before going.
+        try:
+            self.ledger.seal_now()
+        except Exception:
+            _log.exception("could not seal the last events before stopping")
 
     async def run_until(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set."""

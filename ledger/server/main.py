@@ -176,6 +176,7 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
             seal_key=seal_key,
             previous_seal_keys=args.previous_seal_keys,
             seal_existing=args.seal_existing,
+            seal_every=timedelta(milliseconds=250),
         )
     except (OpledgerError, ImportError, AttributeError, ValueError, OSError) as exc:
         print(f"error: cannot start the ledger service: {exc}", file=sys.stderr)

@@ -427,16 +427,16 @@ class Relay:
         comes): a status that cannot be read is the host's to ask about, and
         it never costs the event its place on the feed.
         """
+        # The host knows its operation by its own ID: asked in its namespace.
+        local = host_operation_id(operation_id)
         try:
-            status = self._ledger.status(operation_id, known_version=version)
+            status = self._ledger.status(local, known_version=version, host=host)
         except Exception as exc:
             _log.warning("no outcome notice for %s: %s", operation_id, exc)
             return None
         if not (status.final and status.state in _FINAL):
             return None
-        # The host knows its operation by its own ID.
-        local = host_operation_id(operation_id)
-        payload = status.model_copy(update={"operation_id": local}).model_dump_json().encode()
+        payload = status.model_dump_json().encode()
         if len(payload) > limit:
             # A result too large for any message: no notice (a notice without
             # its result would read as "no result"). The host's status request

@@ -126,10 +126,18 @@ class RequestServer:
             )
             return
         requester = message.subject
+        size = len(message.data)
+        if (
+            not self._waiting
+            and self._started < self._limit
+            and self._active.get(requester, 0) < self._per_requester
+            and (not self._bytes or self._bytes + size <= self._max_bytes)
+        ):
+            self._start(requester, message, handler)  # nobody waits: no queue, no turn
+            return
         waiting = self._waiting.get(requester)
         if waiting is None:
             waiting = self._waiting[requester] = _Waiting()
-        size = len(message.data)
         if len(waiting.items) >= self._waiting_limit or (
             waiting.items and waiting.bytes + size > self._max_waiting_bytes
         ):
@@ -166,14 +174,15 @@ class RequestServer:
                 else:
                     del self._waiting[requester]
                     blocked.discard(requester)
-                self._active[requester] = self._active.get(requester, 0) + 1
-                self._started += 1
-                self._bytes += size
-                task = asyncio.get_running_loop().create_task(
-                    self._answer(requester, message, handler)
-                )
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                self._start(requester, message, handler)
+
+    def _start(self, requester: str, message: Msg, handler: Handler) -> None:
+        self._active[requester] = self._active.get(requester, 0) + 1
+        self._started += 1
+        self._bytes += len(message.data)
+        task = asyncio.get_running_loop().create_task(self._answer(requester, message, handler))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _answer(self, requester: str, message: Msg, handler: Handler) -> None:
         try:
@@ -197,7 +206,8 @@ class RequestServer:
                 self._active[requester] = left
             else:
                 del self._active[requester]
-            self._admit()
+            if self._waiting:
+                self._admit()
 
     async def _reply(self, message: Msg, payload: bytes) -> None:
         try:

@@ -374,3 +374,24 @@ def test_heads_this_service_signed_are_not_given_up_for_older_ones(
     assert [SignedHead.from_row(r).position for r in _seal_tables(sealed)[1]] == [
         SignedHead.from_row(signatures[0]).position
     ]
+
+
+def test_a_throttled_sealer_seals_at_most_once_per_interval_and_when_told(
+    storage: StorageConfig,
+) -> None:
+    """The service seals at most every quarter second (a seal per 20 ms refresh cost it
+    a millisecond each), and everything when it stops (`Ledger.seal_now`)."""
+    ledger = make_ledger(storage, seal_every=timedelta(hours=1))
+    try:
+        ledger.submit(search("t-1"), ALICE)
+        ledger.refresh()
+        first = len(_seal_tables(ledger)[1])
+        ledger.submit(search("t-2"), ALICE)
+        ledger.refresh()
+        assert len(_seal_tables(ledger)[1]) == first == 1
+        ledger.seal_now()
+        _, signatures = _seal_tables(ledger)
+        last = max(row[0] for row in ledger.stored_rows())
+        assert len(signatures) == 2 and SignedHead.from_row(signatures[-1]).position == last
+    finally:
+        ledger.close()
