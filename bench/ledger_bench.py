@@ -33,11 +33,18 @@ from pathlib import Path
 import psycopg
 from eventsourcing.persistence import StoredEvent
 
-from ledger import LeaseGrant, Ledger, StorageConfig, build_ledger
+from ledger import Ledger, StorageConfig, build_ledger
 from ledger.audit.seal import SealKey, seal_time
 from policy import ContractRegistry, InMemoryTargetResolver
 from policy.catalog import CATALOG_DIR, SAMPLE_RULES, sample_targets
-from schemas import Provenance, ResultEnvelope, RuntimeContext, ToolProposal
+from schemas import (
+    LeaseDecision,
+    LeaseReply,
+    Provenance,
+    ResultEnvelope,
+    RuntimeContext,
+    ToolProposal,
+)
 
 CONTEXT = RuntimeContext(
     principal="bench", tenant="acme", capabilities=frozenset({"documents:search"})
@@ -71,8 +78,10 @@ def _happy_path(ledger: Ledger, ops: int, batch: int) -> float:
         )
         grants = [
             grant
-            for grant in ledger.claim_many([s.operation_id for s in submissions], executor="bench")
-            if isinstance(grant, LeaseGrant)
+            for grant in ledger.lease_many(
+                [(s.operation_id, "bench", "search_documents") for s in submissions]
+            )
+            if isinstance(grant, LeaseReply) and grant.decision is LeaseDecision.EXECUTE
         ]
         assert len(grants) == len(submissions)
         now = datetime.now(UTC)
@@ -84,8 +93,8 @@ def _happy_path(ledger: Ledger, ops: int, batch: int) -> float:
                     ok=True,
                     data={"items": [], "truncated": False},
                     provenance=Provenance(
-                        tool=g.tool,
-                        tool_version=g.tool_version,
+                        tool=g.tool or "",
+                        tool_version=g.tool_version or "",
                         executor="bench",
                         attempt=g.attempt,
                         latency_ms=0.1,

@@ -22,14 +22,13 @@ from ledger.domain.errors import (
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState, ResultDisposition
 from ledger.projections.operations_view import OperationRow
-from ledger.service import LeaseGrant, Ledger, Submission
+from ledger.service import Ledger, Submission
 
 __all__ = [
     "ApprovalRefused",
     "Finding",
     "FindingKind",
     "IllegalTransition",
-    "LeaseGrant",
     "Ledger",
     "LedgerError",
     "Operation",

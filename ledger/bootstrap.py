@@ -116,7 +116,7 @@ def build_ledger(
         projector=projector,
         budget=budget,
         clock=clock,
-        lease_ttl=lease_grace,
+        lease_grace=lease_grace,
         results=ResultStore(db, create=create),
         sealer=sealer,
         seal_grace=seal_grace,

@@ -50,6 +50,7 @@ from typing import Any
 
 import psycopg
 
+from ledger.adapters.event_tables import EventTables, StoredRow, position_column
 from ledger.adapters.results import RESULTS_TABLE
 from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 from ledger.audit.model import verify_model
@@ -60,7 +61,6 @@ from ledger.audit.verify import (
     SealPolicy,
     SealRow,
     SignatureRow,
-    StoredRow,
     VerificationReport,
     check_anchor,
     find_signed_head,
@@ -73,12 +73,11 @@ __all__ = [
     "COLD_START_THRESHOLD",
     "DEFAULT_CHUNK_SIZE",
     "PARALLEL_THRESHOLD",
-    "LedgerTables",
+    "EventTables",
     "trusted_head",
     "verify_stored",
 ]
 
-SEAL_TABLE = DIGEST_TABLE
 
 DEFAULT_CHUNK_SIZE = 10_000
 """Positions per chunk: small enough to bound each process's memory and to
@@ -102,19 +101,6 @@ _LOCATE_BATCH = 500
 
 
 @dataclass(frozen=True, slots=True)
-class LedgerTables:
-    """Where a ledger's events and seal are: its storage and its events table."""
-
-    storage: StorageConfig
-    events_table: str
-
-    @property
-    def position_column(self) -> str:
-        """The events table's global position (SQLite has no notification ID column)."""
-        return "notification_id" if self.storage.is_postgres else "rowid"
-
-
-@dataclass(frozen=True, slots=True)
 class _Chunk:
     after: int | None
     """Exclusive lower bound; None for the first chunk, which has none at all."""
@@ -126,7 +112,7 @@ class _Chunk:
 class _Bounds:
     """The ledger as verification found it when it started."""
 
-    tables: LedgerTables
+    tables: EventTables
     last_event: int
     """The last event position (0: none)."""
     last_sealed: int
@@ -150,7 +136,7 @@ class _Plan:
 
 
 def verify_stored(
-    tables: LedgerTables,
+    tables: EventTables,
     *,
     expected_head: str | None = None,
     workers: int | None = None,
@@ -287,7 +273,7 @@ def _verify_chunks(
     )
 
 
-def trusted_head(tables: LedgerTables, trusted: Sequence[str]) -> SignedHead | None:
+def trusted_head(tables: EventTables, trusted: Sequence[str]) -> SignedHead | None:
     """The last head one of the `trusted` keys signed whose digest is the seal's there."""
     reader = _Reader(tables.storage)
     try:
@@ -324,7 +310,7 @@ def _sealed_digest(reader: _Reader, bounds: _Bounds, position: int) -> str | Non
     if not bounds.has_seal:
         return None
     rows = reader.query(
-        f"SELECT running_digest FROM {SEAL_TABLE} WHERE notification_id = ?", (position,)
+        f"SELECT running_digest FROM {DIGEST_TABLE} WHERE notification_id = ?", (position,)
     )
     return str(rows[0][0]) if rows else None
 
@@ -433,15 +419,15 @@ def _claim(claimed: Synchronized[int], total: int) -> int | None:
         return index
 
 
-def _bounds(reader: _Reader, tables: LedgerTables) -> _Bounds:
+def _bounds(reader: _Reader, tables: EventTables) -> _Bounds:
     """The ledger's extent now. MIN and MAX of a primary key are index look-ups, not scans."""
     position, events = tables.position_column, tables.events_table
     present = reader.tables()
-    has_seal, has_signatures = SEAL_TABLE in present, SIGNATURES_TABLE in present
+    has_seal, has_signatures = DIGEST_TABLE in present, SIGNATURES_TABLE in present
     ((last_event,),) = reader.query(f"SELECT MAX({position}) FROM {events}", ())
     last_sealed = last_signature = None
     if has_seal:
-        ((last_sealed,),) = reader.query(f"SELECT MAX(notification_id) FROM {SEAL_TABLE}", ())
+        ((last_sealed,),) = reader.query(f"SELECT MAX(notification_id) FROM {DIGEST_TABLE}", ())
     if has_signatures:
         ((last_signature,),) = reader.query(f"SELECT MAX(position) FROM {SIGNATURES_TABLE}", ())
     ((first,),) = reader.query(f"SELECT MIN({position}) FROM {events} WHERE {position} > 0", ())
@@ -476,7 +462,7 @@ def _plan(
     top = max(bounds.last_event, bounds.last_sealed, bounds.last_signature)
     tables = [(events, position)]
     if bounds.has_seal:
-        tables.append((SEAL_TABLE, "notification_id"))
+        tables.append((DIGEST_TABLE, "notification_id"))
     if bounds.has_signatures:
         tables.append((SIGNATURES_TABLE, "position"))
     chunks: list[_Chunk] = []
@@ -530,7 +516,7 @@ def _read_range(reader: _Reader, plan: _Plan, chunk: _Chunk) -> _Read:
     if bounds.has_seal:
         seal = reader.query(  # (int, str, int, str, str)
             "SELECT notification_id, operation_id, version, event_hash, running_digest"
-            f" FROM {SEAL_TABLE} WHERE {sealed_lower}notification_id <= ?"
+            f" FROM {DIGEST_TABLE} WHERE {sealed_lower}notification_id <= ?"
             " ORDER BY notification_id",
             (*bound, min(chunk.upto, bounds.last_sealed)),
         )
@@ -598,7 +584,7 @@ def _locate(reader: _Reader, hashes: Collection[str], last_sealed: int) -> dict[
         batch = wanted[start : start + _LOCATE_BATCH]
         marks = ", ".join("?" * len(batch))
         for event_hash, position in reader.query(
-            f"SELECT event_hash, MAX(notification_id) FROM {SEAL_TABLE}"
+            f"SELECT event_hash, MAX(notification_id) FROM {DIGEST_TABLE}"
             f" WHERE notification_id <= ? AND event_hash IN ({marks}) GROUP BY event_hash",
             (last_sealed, *batch),
         ):
@@ -684,7 +670,7 @@ def _verify_model(storage: StorageConfig) -> Any:
     reader = _Reader(storage, snapshot=True)
     try:
         present = reader.tables()
-        position_column = "notification_id" if storage.is_postgres else "rowid"
+        column = position_column(storage)
         # Code point order in both: SQLite's default; PostgreSQL's only with "C".
         collate = ' COLLATE "C"' if storage.is_postgres else ""
         view_position = 0
@@ -694,7 +680,7 @@ def _verify_model(storage: StorageConfig) -> Any:
             )
             view_position = int(rows[0][0]) if rows else 0
         events = reader.stream(
-            f"SELECT {position_column}, originator_id, originator_version, topic, state"
+            f"SELECT {column}, originator_id, originator_version, topic, state"
             f" FROM {storage.events_table} ORDER BY originator_id{collate}, originator_version"
         )
         view: Iterator[tuple[Any, ...]] = iter(())

@@ -48,6 +48,7 @@ from typing import Any
 
 import orjson
 
+from ledger.adapters.event_tables import StoredRow
 from ledger.audit.seal import SignedHead, TrustedKeys
 from ledger.domain.hashing import GENESIS_HASH, chain_digest
 
@@ -163,9 +164,6 @@ class VerificationReport:
         """True when nothing was found."""
         return not self.findings
 
-
-StoredRow = tuple[int, str, int, str, bytes]
-"""(position in the global order, operation ID, version, topic, stored state)."""
 
 SealRow = tuple[int, str, int, str, str]
 """(notification ID, operation ID, version, event hash, running digest)."""

@@ -46,7 +46,7 @@ import psycopg
 from eventsourcing.persistence import PersistenceError
 
 from ledger.audit.feed import FeedRecord, compare_feed, feed_records
-from ledger.audit.parallel import LedgerTables, trusted_head
+from ledger.audit.parallel import trusted_head
 from ledger.audit.seal import SealKeyError, SignedHead, TrustedKeys
 from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding, VerificationReport
 from ledger.bootstrap import open_ledger
@@ -450,7 +450,7 @@ def audit_verify(ledger: Ledger, args: argparse.Namespace) -> Output:
 def audit_head(ledger: Ledger, args: argparse.Namespace) -> Output:
     """`audit head`: the last head a trusted key signed, as data and as one line to keep."""
     trusted = _trusted_keys(args)
-    head = trusted_head(LedgerTables(ledger.db.storage, ledger.events_table), trusted)
+    head = trusted_head(ledger.tables, trusted)
     if head is None:
         raise NoSignedHead(
             "the ledger has no head signed by a trusted key"

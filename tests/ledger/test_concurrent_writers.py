@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from ledger import IllegalTransition, Ledger, OperationConflict, StorageConfig
+from ledger import Ledger, OperationConflict, StorageConfig
+from schemas import LeaseDecision
 from tests.ledger.helpers import ALICE, make_ledger, registry_with_limit, search
 
 
 def _race(ledgers: list[Ledger], operation_ids: list[str]) -> Counter[str]:
-    """Every ledger tries to claim every operation at once; count who won what."""
+    """Every ledger tries to lease every operation at once; count who won what."""
     outcomes: Counter[str] = Counter()
     lock = threading.Lock()
     barrier = threading.Barrier(len(ledgers))
@@ -19,10 +20,9 @@ def _race(ledgers: list[Ledger], operation_ids: list[str]) -> Counter[str]:
         barrier.wait()
         for operation_id in operation_ids:
             try:
-                ledger.claim(operation_id, executor=name)
-                outcome = f"won:{name}"
-            except IllegalTransition:
-                outcome = "refused"  # the other writer won; the command no longer applies
+                reply = ledger.lease(operation_id, executor=name)
+                # The other writer won: its live lease makes this one busy.
+                outcome = f"won:{name}" if reply.decision is LeaseDecision.EXECUTE else "refused"
             except OperationConflict:
                 outcome = "gave_up"
             with lock:

@@ -215,7 +215,7 @@ def test_cached_operations_are_bounded_in_bytes(storage: StorageConfig) -> None:
     finally:
         ledger.close()
     print(f"retained after 60 proposals of 200 KiB: {retained / 2**20:.1f} MiB")
-    assert ledger._cache.weight <= budget
+    assert ledger.runner.cached_bytes <= budget
     # Without the byte bound all 60 stay cached: 11.6 MiB retained, measured.
     assert retained < 6 * 2**20
 

@@ -40,7 +40,7 @@ def ledger(storage: StorageConfig) -> Ledger:
 
 
 def _succeed(ledger: Ledger, operation_id: str) -> None:
-    grant = ledger.claim(operation_id, executor="exec-1")
+    grant = ledger.lease(operation_id, executor="exec-1")
     ledger.record_result(result(operation_id, grant.fencing_token, data={"items": []}))
 
 
@@ -163,10 +163,12 @@ def test_expired_leases_are_swept_and_only_they(storage: StorageConfig) -> None:
     ledger = make_ledger(storage, clock=lambda: now[0])
     for operation_id in ("op-short", "op-long"):
         ledger.submit(search(operation_id), ALICE)
-    ledger.claim("op-short", executor="exec-1", ttl=timedelta(seconds=10))
-    ledger.claim("op-long", executor="exec-1", ttl=timedelta(minutes=10))
+    short = ledger.lease("op-short", executor="exec-1")
+    assert short.lease_expires_at is not None
+    now[0] = short.lease_expires_at - timedelta(seconds=1)  # leased a little later
+    ledger.lease("op-long", executor="exec-1")
     assert ledger.expire_leases() == []
-    now[0] += timedelta(seconds=11)
+    now[0] = short.lease_expires_at + timedelta(seconds=1)
     ledger.refresh()
     # The view names only the lease that ran out: the sweep loads nothing else.
     assert ledger.projector.lease_expiry_candidates(now[0]) == ["op-short"]
@@ -181,11 +183,12 @@ def test_a_view_without_lease_expiries_gets_the_column_and_still_sweeps(
     now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
     first = make_ledger(storage, clock=lambda: now[0])
     first.submit(search("op-1"), ALICE)
-    first.claim("op-1", executor="exec-1", ttl=timedelta(seconds=10))
+    lease = first.lease("op-1", executor="exec-1")
+    assert lease.lease_expires_at is not None
     first.refresh()
     first.db.execute("ALTER TABLE opledger_operations DROP COLUMN lease_expires_at")
     first.close()
-    now[0] += timedelta(seconds=11)
+    now[0] = lease.lease_expires_at + timedelta(seconds=1)
     second = make_ledger(storage, clock=lambda: now[0])  # an older view, upgraded
     assert second.projector.lease_expiry_candidates(now[0]) == ["op-1"]  # unknown: looked at
     assert second.expire_leases() == ["op-1"]
@@ -194,7 +197,7 @@ def test_a_view_without_lease_expiries_gets_the_column_and_still_sweeps(
 def test_the_view_names_operations_left_ready(ledger: Ledger) -> None:
     ledger.submit(search("s-ready"), ALICE)
     ledger.submit(search("s-claimed"), ALICE)
-    ledger.claim("s-claimed", executor="exec-1")
+    ledger.lease("s-claimed", executor="exec-1")
     ledger.refresh()
     now = datetime.now(UTC)
     version = ledger.get("s-ready").tool_version
@@ -206,14 +209,14 @@ def test_the_view_names_operations_left_ready(ledger: Ledger) -> None:
 
 def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
     ledger.submit(search("op-1"), ALICE)
-    first = ledger.claim("op-1", executor="exec-1")
+    first = ledger.lease("op-1", executor="exec-1")
     failure = {"code": "UPSTREAM_TIMEOUT", "category": "TRANSIENT", "message": "timeout",
                "retryable": True}
     disposition = ledger.record_result(result("op-1", first.fencing_token, ok=False,
                                               error=failure))
     assert disposition is ResultDisposition.ACCEPTED
     assert ledger.get("op-1").state is S.READY  # retry scheduled by the contract's policy
-    second = ledger.claim("op-1", executor="exec-2")
+    second = ledger.lease("op-1", executor="exec-2")
     assert (second.fencing_token, second.attempt) == (2, 2)
     late = ledger.record_result(result("op-1", first.fencing_token, data={"items": []}))
     assert late is ResultDisposition.STALE
@@ -232,7 +235,7 @@ def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
 def test_state_survives_a_restart(storage: StorageConfig) -> None:
     first = make_ledger(storage)
     first.submit(search("op-1"), ALICE)
-    first.claim("op-1", executor="exec-1")
+    first.lease("op-1", executor="exec-1")
     first.close()
     second = make_ledger(storage)
     operation = second.get("op-1")
@@ -444,7 +447,7 @@ def test_an_executor_of_another_tool_can_neither_lease_nor_settle_an_operation(
     assert _answer(foreign_lease.value, "s-1") == _answer(made_up.value, "s-0")
     assert event_types(ledger, "s-1") == before
     assert ledger.get("s-1").state is S.READY
-    grant = ledger.claim("s-1", executor="exec-1")
+    grant = ledger.lease("s-1", executor="exec-1")
     before = event_types(ledger, "s-1")
     # The right fencing token, from the wrong tool's executor: refused, nothing recorded.
     foreign = result("s-1", grant.fencing_token, tool="send_customer_email")
@@ -477,7 +480,7 @@ def test_status_is_never_an_outdated_copy_when_another_instance_wrote(
     first, second = make_ledger(storage), make_ledger(storage)
     first.submit(search("op-1"), ALICE)  # `first` now holds a copy at `ready`
     assert first.status("op-1").state == "ready"
-    second.claim("op-1", executor="exec-1")
+    second.lease("op-1", executor="exec-1")
     assert first.status("op-1").state == "executing"
     first.close()
     second.close()

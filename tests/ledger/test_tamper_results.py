@@ -30,7 +30,7 @@ def settled(storage: StorageConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """op-1 succeeded with a kept result; sealed; the CLI points here."""
     ledger = make_ledger(storage)
     ledger.submit(search("op-1"), ALICE)
-    grant = ledger.claim("op-1", executor="exec-1")
+    grant = ledger.lease("op-1", executor="exec-1")
     ledger.record_result(result("op-1", grant.fencing_token, data={"items": [], "n": 1}))
     ledger.refresh()
     use_storage(monkeypatch, tmp_path, storage)
@@ -116,7 +116,7 @@ def test_a_reconciled_attempt_serves_its_own_result_not_the_unknown_one(
 ) -> None:
     ledger = make_ledger(storage)
     ledger.submit(search("op-1"), ALICE)
-    grant = ledger.claim("op-1", executor="exec-1")
+    grant = ledger.lease("op-1", executor="exec-1")
     unknown = result(
         "op-1",
         grant.fencing_token,

@@ -39,7 +39,7 @@ def ledger(storage: StorageConfig) -> Ledger:
         if n % 3 == 0:
             ledger.refresh()  # sealed in several batches: several signed heads
     for n in range(0, 10, 2):  # the even ones run and succeed: five events, the others three
-        grant = ledger.claim(f"op-{n}", executor="exec-1")
+        grant = ledger.lease(f"op-{n}", executor="exec-1")
         ledger.record_result(result(f"op-{n}", grant.fencing_token, data={"items": []}))
     ledger.refresh()
     report = ledger.verify(workers=1)

@@ -1,0 +1,101 @@
+"""SQL on the event store's own tables: the one place that knows their names and columns.
+
+The `eventsourcing` recorders own the events table; the ledger reads it
+directly where the library's API has no query for what is needed (which of
+many IDs exist, an operation's newest version) and where auditors must see
+every row, not what the notification log chooses to show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from ledger.adapters.sql import SqlDatabase
+from ledger.adapters.storage import StorageConfig
+
+__all__ = ["EventTables", "StoredRow", "position_column"]
+
+StoredRow = tuple[int, str, int, str, bytes]
+"""One stored event as read from SQL: (position, originator_id, version, topic, state)."""
+
+
+def position_column(storage: StorageConfig) -> str:
+    """The events table's global position column (SQLite's recorder has no
+    notification ID column: its `rowid` is the position)."""
+    return "notification_id" if storage.is_postgres else "rowid"
+
+
+@dataclass(frozen=True, slots=True)
+class EventTables:
+    """Where a ledger's events are: its storage and the events table the library made."""
+
+    storage: StorageConfig
+
+    @property
+    def events_table(self) -> str:
+        """The events table's name (chosen by the library, see `StorageConfig`)."""
+        return self.storage.events_table
+
+    @property
+    def position_column(self) -> str:
+        """The events table's global position."""
+        return position_column(self.storage)
+
+
+class EventTableReader:
+    """Queries on the events table, over one database connection."""
+
+    def __init__(self, db: SqlDatabase, tables: EventTables) -> None:
+        self._db = db
+        self.tables = tables
+        self._events = tables.events_table
+        self._position = tables.position_column
+
+    def stored_ids(self, operation_ids: Iterable[str | None]) -> set[str]:
+        """Which of these operation IDs have events (batched `IN` queries)."""
+        ids = [operation_id for operation_id in dict.fromkeys(operation_ids) if operation_id]
+        rows = self._db.query_in(
+            f"SELECT originator_id FROM {self._events}"
+            " WHERE originator_id IN ({marks}) AND originator_version = 1",
+            ids,
+        )
+        return {str(row[0]) for row in rows}
+
+    def stored_version(self, operation_id: str) -> int | None:
+        """The newest stored version of one operation, or None if it has no events."""
+        rows = self._db.query(
+            f"SELECT MAX(originator_version) FROM {self._events} WHERE originator_id = ?",
+            (operation_id,),
+        )
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None
+
+    def rows_after(self, position: int, limit: int) -> list[StoredRow]:
+        """Up to `limit` stored rows after `position`, in position order."""
+        column = self._position
+        return self._db.query(  # both drivers return (int, str, int, str, bytes)
+            f"SELECT {column}, originator_id, originator_version, topic, state"
+            f" FROM {self._events} WHERE {column} > ? ORDER BY {column} LIMIT ?",
+            (position, limit),
+        )
+
+    def rows(self, page: int = 10_000) -> Iterator[StoredRow]:
+        """Every row of the events table in position order, straight from SQL.
+
+        Auditors read the table itself, not the library's notification log, so
+        that no row can hide at a position the log does not show.
+        """
+        column = self._position
+        # `>=` on the first page: a row at the lowest 64-bit position must not hide either.
+        after, above = -(2**63), ">="
+        while True:
+            rows = self._db.query(
+                f"SELECT {column}, originator_id, originator_version, topic, state"
+                f" FROM {self._events} WHERE {column} {above} ? ORDER BY {column} LIMIT ?",
+                (after, page),
+            )
+            # Both drivers already return (int, str, int, str, bytes): no conversion.
+            yield from rows
+            if len(rows) < page:
+                return
+            after, above = int(rows[-1][0]), ">"

@@ -1,0 +1,110 @@
+"""Leasing: the executor's question "may I run this work item now?", answered once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from functools import partial
+
+from ledger.domain.errors import LedgerError, OperationNotFound
+from ledger.domain.operation import Operation
+from ledger.domain.states import OperationState
+from ledger.service._contracts import PinnedContracts
+from ledger.service._runner import CommandRunner
+from schemas import LeaseDecision, LeaseReply
+
+__all__ = ["LeaseRequest", "Leasing"]
+
+LeaseRequest = tuple[str, str, str | None]
+"""(operation ID, executor, the tool the executor is authenticated for, if known)."""
+
+
+class Leasing:
+    """Grants leases with fencing tokens; answers redeliveries and stale work."""
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        contracts: PinnedContracts,
+        *,
+        clock: Callable[[], datetime],
+        lease_grace: timedelta,
+    ) -> None:
+        self._runner = runner
+        self._contracts = contracts
+        self._clock = clock
+        # A lease lasts the contract's timeout plus this grace, so that a
+        # result sent at the last moment of the timeout still arrives in time.
+        self._lease_grace = lease_grace
+
+    def lease_many(self, requests: Sequence[LeaseRequest]) -> list[LeaseReply | LedgerError]:
+        """Answer many lease requests with one append.
+
+        `tool` is the tool the executor is authenticated for (from its subject);
+        an operation of another tool is answered `OperationNotFound`, exactly
+        as an unknown ID is, and nothing is appended.
+        READY: a new lease and fencing token, with the exact approved arguments.
+        A live lease held by someone: BUSY (try later). An expired lease or an
+        unknown outcome: RECONCILE (look the outcome up, never run again).
+        Anything final: DONE, which is how redelivered work items converge.
+        """
+        now = self._clock()
+        return self._runner.batch(
+            [
+                (operation_id, partial(self._lease, executor=executor, tool=tool, now=now))
+                for operation_id, executor, tool in requests
+            ]
+        )
+
+    def _lease(
+        self, operation: Operation, *, executor: str, tool: str | None, now: datetime
+    ) -> LeaseReply:
+        if tool is not None and operation.tool != tool:
+            # Exactly the answer for an ID nobody used: an executor of one tool
+            # must not learn which operations other tools have.
+            raise OperationNotFound("no such operation", operation_id=operation.id)
+        state = operation.state
+        contract = self._contracts.of(operation)
+        timeout_ms = (
+            contract.timeout_ms if contract else int(self._lease_grace.total_seconds() * 1000)
+        )
+        if state is OperationState.READY:
+            ttl = timedelta(milliseconds=timeout_ms) + self._lease_grace
+            token = operation.claim_lease(executor=executor, ttl=ttl, now=now)
+            return _lease_reply(LeaseDecision.EXECUTE, operation, token, timeout_ms)
+        if state in (OperationState.EXECUTING, OperationState.CANCEL_REQUESTED):
+            lease = operation.lease or {}
+            if lease.get("expires_at", now) > now:
+                return LeaseReply(
+                    decision=LeaseDecision.BUSY,
+                    operation_id=operation.id,
+                    reason=f"leased to {lease.get('executor')} until {lease['expires_at']}",
+                )
+            operation.expire_lease(now)
+        if operation.state is OperationState.OUTCOME_UNKNOWN:
+            operation.start_reconciliation(by=executor, now=now)
+        if operation.state is OperationState.RECONCILING:
+            return _lease_reply(
+                LeaseDecision.RECONCILE, operation, operation.fencing_token, timeout_ms
+            )
+        return LeaseReply(
+            decision=LeaseDecision.DONE, operation_id=operation.id, reason=operation.state.value
+        )
+
+
+def _lease_reply(
+    decision: LeaseDecision, operation: Operation, token: int, timeout_ms: int
+) -> LeaseReply:
+    lease = operation.lease or {}
+    return LeaseReply(
+        decision=decision,
+        operation_id=operation.id,
+        tool=operation.tool,
+        tool_version=operation.tool_version,
+        arguments=dict(operation.arguments or {}),
+        fencing_token=token,
+        attempt=operation.attempt,
+        lease_expires_at=lease.get("expires_at"),
+        timeout_ms=timeout_ms,
+        proposal_hash=operation.proposal_hash,
+    )

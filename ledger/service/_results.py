@@ -1,0 +1,137 @@
+"""Results: an executor's result envelope settles an attempt, exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from functools import partial
+
+from ledger.adapters.results import ResultStore, envelope_text_hash
+from ledger.domain.errors import LedgerError
+from ledger.domain.operation import Operation
+from ledger.domain.states import ResultDisposition
+from ledger.service._contracts import PinnedContracts
+from ledger.service._runner import CommandRunner
+from policy import DEFAULT_LIMITS, json_value_issue
+from schemas import ResultEnvelope, canonical_json, sha256_hex
+
+__all__ = ["ResultRecording"]
+
+_Kept = list[tuple[str, str, str]]
+"""Envelopes to keep: (reference, operation ID, exact text)."""
+
+
+class ResultRecording:
+    """Records results (retrying a retryable failure when the policy allows)."""
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        contracts: PinnedContracts,
+        store: ResultStore,
+        *,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self._runner = runner
+        self._contracts = contracts
+        self._store = store
+        self._clock = clock
+
+    def record_result(self, envelope: ResultEnvelope) -> ResultDisposition:
+        """Record one executor's result."""
+        kept: _Kept = []
+        disposition = self._runner.update(
+            envelope.operation_id, partial(self._apply, envelope=envelope, kept=kept)
+        )
+        self._store.put_texts(kept[-1:])  # the command's last run is the one saved
+        return disposition
+
+    def record_results(
+        self, envelopes: Sequence[ResultEnvelope]
+    ) -> list[ResultDisposition | LedgerError]:
+        """Record many results with one append (for batching services)."""
+        kept: _Kept = []
+        answers = self._runner.batch(
+            [
+                (envelope.operation_id, partial(self._apply, envelope=envelope, kept=kept))
+                for envelope in envelopes
+            ]
+        )
+        # After the events: a kept envelope without its event would be harmless,
+        # an event pointing at no envelope would not. A command that ran twice
+        # (a lost race) kept twice: its last run is the one saved.
+        self._store.put_texts(list({item[0]: item for item in kept}.values()))
+        return answers
+
+    def _apply(
+        self, operation: Operation, envelope: ResultEnvelope, kept: _Kept
+    ) -> ResultDisposition:
+        """Record one result on a loaded operation (no save); `kept` gets its envelope
+        as (reference, operation ID, exact text), when an event binds that text.
+
+        A result whose provenance names another tool is REFUSED: the results
+        consumer accepts a tool's results only on that tool's subject, which
+        only its executors may publish to, so this is an executor of one tool
+        trying to settle another tool's operation (fencing tokens are small
+        counters, easily guessed).
+        """
+        if envelope.provenance.tool != operation.tool:
+            return ResultDisposition.REFUSED
+        now = self._clock()
+        attempt = envelope.provenance.attempt
+        reference = ResultStore.reference(operation.id, attempt)
+        error = envelope.error
+        reason = error.message if error else ""
+        problem = (
+            json_value_issue(envelope.data, DEFAULT_LIMITS.max_depth)
+            if envelope.data is not None
+            else None
+        )
+        if problem is not None:
+            # Data no hash can bind (an integer beyond 2**53, a 300-level nesting):
+            # nothing in the envelope can be trusted to say what happened, and
+            # it is not kept. Unknown, for reconciliation to settle; before, it
+            # failed the append on every redelivery until JetStream gave up.
+            outcome, output_hash, text, envelope_hash = "unknown", "", "", ""
+            reason = f"the result cannot be recorded: {problem.code} at {problem.path or '/'}"
+        else:
+            output_hash = (
+                sha256_hex(canonical_json(envelope.data)) if envelope.data is not None else ""
+            )
+            # Encoded once: the event records the hash of exactly the text that is kept.
+            text = ResultStore.encode(envelope)
+            envelope_hash = envelope_text_hash(text)
+            if envelope.ok:
+                outcome = "succeeded"
+            elif envelope.outcome_unknown:
+                outcome = "unknown"
+            else:
+                outcome = "failed"
+        pending = len(operation.pending_events)
+        disposition = operation.record_result(
+            fencing_token=envelope.fencing_token,
+            executor=envelope.provenance.executor,
+            outcome=outcome,  # type: ignore[arg-type]
+            now=now,
+            output_hash=output_hash,
+            result_ref=reference,
+            code=error.code if error else "",
+            category=error.category.value if error else "",
+            retryable=error.retryable if error else False,
+            reason=reason,
+            envelope_hash=envelope_hash,
+        )
+        if disposition is ResultDisposition.ACCEPTED:
+            # Kept only where a settling event names it (not for an unknown
+            # outcome, whose reference a later reconciliation of the same
+            # attempt reuses: the first text kept would win over the bound one).
+            if text and any(
+                getattr(event, "result_ref", "") == reference
+                for event in operation.pending_events[pending:]
+            ):
+                kept.append((reference, operation.id, text))
+            if operation.can_retry:
+                contract = self._contracts.of(operation)
+                delay = contract.retry.backoff_ms(operation.attempt) if contract else 0
+                operation.schedule_retry(not_before=now + timedelta(milliseconds=delay), now=now)
+        return disposition

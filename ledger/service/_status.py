@@ -1,0 +1,64 @@
+"""Status: where an operation stands, as its host (or an operator) may see it."""
+
+from __future__ import annotations
+
+from ledger.adapters.results import ResultStore
+from ledger.audit.model import served_result
+from ledger.domain.errors import OperationNotFound
+from ledger.domain.states import TERMINAL_STATES
+from ledger.service._runner import CommandRunner
+from schemas import OperationStatus, ledger_operation_id
+
+__all__ = ["StatusReader"]
+
+
+class StatusReader:
+    """Answers status requests, with the kept result envelope once there is one."""
+
+    def __init__(self, runner: CommandRunner, store: ResultStore) -> None:
+        self._runner = runner
+        self._store = store
+
+    def status(
+        self, operation_id: str, *, known_version: int | None = None, host: str | None = None
+    ) -> OperationStatus:
+        """Where an operation stands, with its result envelope once it has one.
+
+        `known_version`: the caller saw the operation reach this version (the
+        relay, announcing an event it just read). A copy this process wrote
+        at that version or later is then as good as a replay, and cheaper.
+
+        `host`: asked on behalf of this agent host, in its own namespace:
+        `operation_id` is the host's ID (see `schemas.ledger_operation_id`),
+        and so is the one in the answer. Another host's operations are not in
+        that namespace at all.
+        """
+        asked = operation_id
+        if host is not None:
+            operation_id = ledger_operation_id(host, operation_id)
+        try:
+            operation = self._runner.current(operation_id, known_version=known_version)
+        except OperationNotFound:
+            raise OperationNotFound("no such operation", operation_id=asked) from None
+        if host is not None and operation.host != host:
+            # Only an operation submitted before IDs were scoped can be here.
+            raise OperationNotFound("no such operation", operation_id=asked)
+        outcome = operation.outcome
+        result = None
+        if outcome and outcome.get("result_ref"):
+            # Only the exact envelope its event bound (RESULT_INTEGRITY otherwise).
+            reference = outcome["result_ref"]
+            text = self._store.get_text(reference)
+            result = served_result(text, operation.id, reference, outcome)
+        return OperationStatus(
+            operation_id=operation.id if host is None else asked,
+            state=operation.state.value,
+            # A retryable failure is never seen here: its retry is scheduled
+            # in the same append, so the state is READY again.
+            final=operation.state in TERMINAL_STATES,
+            tool=operation.tool,
+            tool_version=operation.tool_version,
+            attempts=operation.attempt,
+            outcome=outcome,
+            result=result,
+        )

@@ -1,0 +1,307 @@
+"""Submission: record and check proposals, idempotently by the host's operation ID."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+from eventsourcing.persistence import IntegrityError
+
+from ledger.budget import LedgerBudgetCounter
+from ledger.domain.errors import InvalidProposal, LedgerError, OperationConflict, OperationNotFound
+from ledger.domain.operation import Operation
+from ledger.domain.states import OperationState
+from ledger.retention import KEPT_REJECTED_BYTES, kept_arguments
+from ledger.service._runner import CommandRunner
+from policy import ProposalChecker, ToolContract
+from schemas import (
+    Decision,
+    DecisionOutcome,
+    RuntimeContext,
+    ToolProposal,
+    host_operation_id,
+    ledger_operation_id,
+    sha256_hex,
+)
+
+__all__ = ["Submission", "Submissions", "SubmitItem", "effect_preview", "fingerprint"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """The answer to a submitted proposal."""
+
+    operation_id: str
+    state: OperationState
+    decision: Decision | None
+    """The check's decision; None when the operation already existed."""
+    created: bool
+    """False when the same call was submitted before under this ID."""
+
+
+SubmitItem = tuple[ToolProposal, RuntimeContext] | tuple[ToolProposal, RuntimeContext, str]
+"""A proposal, its trusted context, and optionally the agent host that sent it."""
+
+
+def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "") -> str:
+    """What makes two submissions "the same call" for idempotency.
+
+    Internal only (never compared across languages), so orjson with sorted
+    keys is enough; values orjson cannot encode (a huge integer) fall back to
+    their repr, which is still deterministic.
+    """
+    body = {
+        "tool": proposal.tool_name,
+        "arguments": proposal.arguments,
+        "actor": context.principal,
+        "tenant": context.tenant,
+        "host": host,
+    }
+    try:
+        encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        encoded = repr(sorted(body.items())).encode()
+    return sha256_hex(encoded)
+
+
+def effect_preview(
+    contract: ToolContract, decision: Decision, context: RuntimeContext
+) -> dict[str, Any]:
+    """What an approver sees: the exact effect, not "run the tool?" (seed 001)."""
+    return {
+        "tool": contract.name,
+        "tool_version": contract.version,
+        "summary": contract.description.summary,
+        "effect": contract.effect.value,
+        "reversible": contract.effect.value != "irreversible_write",
+        "risk": decision.risk.value if decision.risk else None,
+        "risk_reasons": list(decision.risk_reasons),
+        "arguments": decision.normalized_arguments,
+        "applied_defaults": list(decision.applied_defaults),
+        "requested_by": context.principal,
+        "tenant": context.tenant,
+        "environment": context.environment,
+        "proposal_hash": decision.proposal_hash,
+    }
+
+
+class Submissions:
+    """The submission use case: one atomic append per batch of proposals."""
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        checker: ProposalChecker,
+        *,
+        clock: Callable[[], datetime],
+        new_id: Callable[[], str],
+        budget: LedgerBudgetCounter | None = None,
+        kept_rejected_bytes: int = KEPT_REJECTED_BYTES,
+    ) -> None:
+        self._runner = runner
+        self._checker = checker
+        self._clock = clock
+        self._new_id = new_id
+        self._budget = budget
+        self._kept_rejected_bytes = kept_rejected_bytes
+
+    def submit_many(self, items: Sequence[SubmitItem]) -> list[Submission | LedgerError]:
+        """Record and check many proposals with one atomic append (the fast path).
+
+        Each item gets its own answer: a `Submission`, or the error that
+        refused that item alone (an ID its host already used for another
+        call, a proposal that cannot be stored). One item can never fail,
+        or keep out, the others.
+        """
+        try:
+            return self._submit_many(items)
+        finally:
+            if self._budget is not None:
+                self._budget.clear_pending()
+
+    def _submit_many(self, items: Sequence[SubmitItem]) -> list[Submission | LedgerError]:
+        answers: list[Submission | LedgerError | None] = [None] * len(items)
+        keyed: list[tuple[int, str, ToolProposal, RuntimeContext, str]] = []
+        for index, item in enumerate(items):
+            proposal, context, host = _unpack(item)
+            try:
+                operation_id = ledger_operation_id(host, proposal.operation_id or self._new_id())
+            except ValueError:
+                answers[index] = InvalidProposal(
+                    "the host name or operation ID is not a valid identifier"
+                )
+                continue
+            keyed.append((index, operation_id, proposal, context, host))
+        # One query for the batch instead of one lookup per proposal; an ID
+        # stored by another writer after it is caught by the append below.
+        stored = self._runner.tables.stored_ids(operation_id for _, operation_id, *_ in keyed)
+        new: list[tuple[int, Operation, Decision]] = []
+        fresh: dict[str, tuple[int, str]] = {}
+        for index, operation_id, proposal, context, host in keyed:
+            try:
+                print_ = fingerprint(proposal, context, host)
+                if operation_id in fresh:
+                    # The same ID twice in one batch: a redelivery, or a conflict.
+                    first, first_print = fresh[operation_id]
+                    if first_print != print_:
+                        raise _conflict(operation_id)
+                    answers[index] = Submission(operation_id, new[first][1].state, None, False)
+                    continue
+                if operation_id in stored:
+                    existing = self._existing(operation_id, print_)
+                    if existing is not None:
+                        answers[index] = existing
+                        continue
+                operation, decision = self._new_operation(
+                    operation_id, proposal, context, print_, host
+                )
+            except LedgerError as error:
+                answers[index] = error
+                continue
+            except Exception as exc:
+                # A value the check let through and the event encoder cannot
+                # write (or a bug): this proposal alone is refused, the rest
+                # of the batch is stored.
+                _log.warning(
+                    "proposal %s cannot be stored: %s: %s",
+                    operation_id,
+                    type(exc).__name__,
+                    str(exc)[:200],
+                )
+                answers[index] = InvalidProposal("the proposal cannot be stored")
+                continue
+            fresh[operation_id] = (len(new), print_)
+            new.append((index, operation, decision))
+            if self._budget is not None and decision.outcome is not DecisionOutcome.REJECTED:
+                self._budget.note_pending(
+                    tenant=context.tenant, actor=context.principal, tool=decision.tool
+                )
+        if new:
+            try:
+                self._runner.save(*(operation for _, operation, _ in new))
+            except IntegrityError:
+                # Another writer created one of these IDs meanwhile: settle one by one.
+                if self._budget is not None:
+                    self._budget.clear_pending()
+                return [
+                    answer
+                    if isinstance(answer, LedgerError)
+                    else self._submit_after_race(items[index])
+                    for index, answer in enumerate(answers)
+                ]
+            for index, operation, decision in new:
+                answers[index] = Submission(operation.id, operation.state, decision, True)
+        return [answer for answer in answers if answer is not None]
+
+    def _submit_after_race(self, item: SubmitItem) -> Submission | LedgerError:
+        proposal, context, host = _unpack(item)
+        if proposal.operation_id is not None:
+            operation_id = ledger_operation_id(host, proposal.operation_id)
+            try:
+                existing = self._existing(operation_id, fingerprint(proposal, context, host))
+            except LedgerError as error:
+                return error
+            if existing is not None:
+                return existing
+        return self._submit_many([item])[0]
+
+    def _existing(self, operation_id: str, print_: str) -> Submission | None:
+        try:
+            operation = self._runner.get(operation_id)
+        except OperationNotFound:
+            return None
+        if operation.fingerprint != print_:
+            raise _conflict(operation_id)
+        return Submission(operation.id, operation.state, None, False)
+
+    def _new_operation(
+        self,
+        operation_id: str,
+        proposal: ToolProposal,
+        context: RuntimeContext,
+        print_: str,
+        host: str,
+    ) -> tuple[Operation, Decision]:
+        now = self._clock()
+        decision = self._checker.check(proposal, context)
+        rejected = decision.outcome is DecisionOutcome.REJECTED
+        # Accepted arguments passed the parse stage: plain JSON, bounded in
+        # size. Of a rejected proposal only what is storable and small is kept.
+        arguments, omitted = (
+            kept_arguments(proposal.arguments, self._kept_rejected_bytes)
+            if rejected
+            else (proposal.arguments, None)
+        )
+        stored = proposal.model_dump(mode="json", exclude={"arguments"})
+        stored["arguments"] = arguments
+        operation = Operation.propose(
+            operation_id,
+            proposal=stored,
+            fingerprint=print_,
+            actor=context.principal,
+            tenant=context.tenant,
+            environment=context.environment,
+            tool=proposal.tool_name,
+            now=now,
+            host=host,
+            omitted=omitted,
+        )
+        if rejected:
+            operation.reject(
+                issues=[issue.model_dump(mode="json") for issue in decision.issues],
+                category=(decision.category.value if decision.category else "INVALID_INPUT"),
+                repairable=decision.repairable,
+                tool_version=decision.tool_version,
+                now=now,
+            )
+            return operation, decision
+        contract = self._checker.catalog[decision.tool]
+        assert decision.proposal_hash is not None and decision.risk is not None
+        operation.validate(
+            tool_version=contract.version,
+            input_schema_hash=contract.input_schema_hash,
+            output_schema_hash=contract.output_schema_hash,
+            proposal_hash=decision.proposal_hash,
+            arguments=dict(decision.normalized_arguments or {}),
+            applied_defaults=list(decision.applied_defaults),
+            risk=decision.risk.value,
+            risk_reasons=list(decision.risk_reasons),
+            max_attempts=contract.retry.max_attempts,
+            retry_on=sorted(category.value for category in contract.retry.retry_on),
+            now=now,
+        )
+        if decision.approval is None:
+            operation.mark_ready(now)
+        else:
+            operation.request_approval(
+                approval_id=f"apr-{uuid.uuid4().hex[:16]}",
+                effect_preview=effect_preview(contract, decision, context),
+                approver_roles=list(decision.approval.approver_roles),
+                required_approvals=decision.approval.required_approvals,
+                separation_of_duties=decision.approval.separation_of_duties,
+                expires_at=now + timedelta(seconds=decision.approval.expires_in_s),
+                reason=decision.approval.reason,
+                now=now,
+            )
+        return operation, decision
+
+
+def _conflict(operation_id: str) -> OperationConflict:
+    # Named by the host's own ID: the conflict is within the host's namespace.
+    return OperationConflict(
+        "this operation ID belongs to a different call",
+        operation_id=host_operation_id(operation_id),
+    )
+
+
+def _unpack(item: SubmitItem) -> tuple[ToolProposal, RuntimeContext, str]:
+    if len(item) == 3:
+        return item
+    return item[0], item[1], ""

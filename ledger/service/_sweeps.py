@@ -1,0 +1,54 @@
+"""Sweeps: what time alone decides (approvals and leases that ran out)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+from ledger.domain.states import OperationState
+from ledger.projections.operations_view import OperationsProjector
+from ledger.service._runner import CommandRunner
+
+__all__ = ["Sweeps"]
+
+
+class Sweeps:
+    """Expire what ran out of time; the view names the candidates, the aggregate decides."""
+
+    def __init__(
+        self,
+        runner: CommandRunner,
+        view: OperationsProjector,
+        *,
+        clock: Callable[[], datetime],
+        refresh: Callable[[], int],
+    ) -> None:
+        self._runner = runner
+        self._view = view
+        self._clock = clock
+        self._refresh = refresh
+
+    def expire_approvals(self) -> list[str]:
+        """Expire every approval request whose time has passed."""
+        self._refresh()
+        now = self._clock()
+        expired = []
+        for row in self._view.rows(state=OperationState.AWAITING_APPROVAL.value):
+            if row.approval_expires_at and datetime.fromisoformat(row.approval_expires_at) <= now:
+                self._runner.update(row.operation_id, lambda op: op.expire_approval(now))
+                expired.append(row.operation_id)
+        return expired
+
+    def expire_leases(self) -> list[str]:
+        """Move every operation whose lease ran out to `outcome_unknown`."""
+        self._refresh()
+        now = self._clock()
+        expired = []
+        # The view names the candidates, so that a sweep loads only operations
+        # whose lease ran out, not every one in flight.
+        for operation_id in self._view.lease_expiry_candidates(now):
+            operation = self._runner.get(operation_id)
+            if operation.lease and operation.lease["expires_at"] <= now:
+                self._runner.update(operation_id, lambda op: op.expire_lease(now))
+                expired.append(operation_id)
+        return expired
