@@ -49,14 +49,6 @@ class ResultStore:
         """The text an envelope is kept as (hash exactly this string)."""
         return envelope.model_dump_json()
 
-    def put(self, reference: str, envelope: ResultEnvelope) -> None:
-        """Keep an envelope; the first one for a reference wins."""
-        self.put_many([(reference, envelope)])
-
-    def put_many(self, items: Sequence[tuple[str, ResultEnvelope]]) -> None:
-        """Keep many envelopes in one transaction; the first one for a reference wins."""
-        self.put_texts([(ref, env.operation_id, self.encode(env)) for ref, env in items])
-
     def put_texts(self, items: Sequence[tuple[str, str, str]]) -> None:
         """Keep (reference, operation ID, exact envelope text) rows; the first one wins."""
         if not items:

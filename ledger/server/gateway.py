@@ -120,11 +120,6 @@ class LedgerGateway:
         result: LeaseReply = await self._enqueue("lease", (operation_id, executor, tool))
         return result
 
-    async def record(self, envelope: ResultEnvelope) -> ResultDisposition:
-        """Record one result (batched with others)."""
-        result: ResultDisposition = await self._enqueue("result", envelope)
-        return result
-
     async def record_many(
         self, envelopes: Sequence[ResultEnvelope]
     ) -> list[ResultDisposition | BaseException]:

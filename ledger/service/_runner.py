@@ -17,7 +17,8 @@ uses none). Loading does not use the library's aggregate cache
 - fast-forward queries the store on every `get` to catch a cached copy up,
   and without it a stale copy would be believed; here the append's version
   check catches a stale copy, so a command on a cached operation reads nothing;
-- it deep-copies the cached aggregate on every `get` ({DEEPCOPY}).
+- it deep-copies the cached aggregate on every `get`: 28 µs for a settled
+  operation of five events (a replay from SQLite is 101 µs), on every command.
 """
 
 from __future__ import annotations
