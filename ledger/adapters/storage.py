@@ -13,6 +13,8 @@ from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict
 
+from ledger.domain.errors import InvalidArgument
+
 __all__ = ["READ_ONLY_OPTIONS", "StorageConfig"]
 
 READ_ONLY_OPTIONS = "-c default_transaction_read_only=on"
@@ -37,9 +39,9 @@ class StorageConfig:
 
     def __post_init__(self) -> None:
         if (self.sqlite_path is None) == (self.postgres_dsn is None):
-            raise ValueError("give exactly one of sqlite_path and postgres_dsn")
+            raise InvalidArgument("give exactly one of sqlite_path and postgres_dsn")
         if self.postgres_schema and not _IDENTIFIER.match(self.postgres_schema):
-            raise ValueError(f"not a plain schema name: {self.postgres_schema!r}")
+            raise InvalidArgument(f"not a plain schema name: {self.postgres_schema!r}")
 
     @classmethod
     def sqlite(cls, path: Path | str) -> StorageConfig:

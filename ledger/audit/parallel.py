@@ -67,6 +67,7 @@ from ledger.audit.verify import (
     stitch,
     verify_chunk,
 )
+from ledger.domain.errors import InvalidArgument
 from ledger.projections.operations_view import ROW_COLUMNS, VIEW_NAME
 
 __all__ = [
@@ -170,9 +171,9 @@ def verify_stored(
     seal must still hold. `model`: check the view and the kept results too.
     """
     if workers is not None and workers < 1:
-        raise ValueError("workers must be at least 1")
+        raise InvalidArgument("workers must be at least 1")
     if chunk_size is not None and chunk_size < 1:
-        raise ValueError("chunk_size must be at least 1")
+        raise InvalidArgument("chunk_size must be at least 1")
     with _collector_paused():
         reader = _Reader(tables.storage)
         try:

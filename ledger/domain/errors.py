@@ -7,6 +7,7 @@ from schemas import ErrorCategory, OpledgerError
 __all__ = [
     "ApprovalRefused",
     "IllegalTransition",
+    "InvalidArgument",
     "InvalidProposal",
     "LedgerError",
     "OperationConflict",
@@ -25,6 +26,16 @@ class IllegalTransition(LedgerError):
 
     category = ErrorCategory.CONFLICT
     code = "ILLEGAL_TRANSITION"
+
+
+class InvalidArgument(LedgerError, ValueError):
+    """A caller passed a value the API does not take (a programming error, not input).
+
+    Also a `ValueError`, which is what such a mistake is in Python.
+    """
+
+    category = ErrorCategory.INVALID_INPUT
+    code = "INVALID_ARGUMENT"
 
 
 class OperationConflict(LedgerError):

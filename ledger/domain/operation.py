@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from eventsourcing.domain import BaseAggregate
 from pydantic import Field
 
-from ledger.domain.errors import IllegalTransition, TamperDetected
+from ledger.domain.errors import IllegalTransition, InvalidArgument, TamperDetected
 from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event, event_hash
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
@@ -623,7 +623,7 @@ class Operation(BaseAggregate[str]):
         """Ask for human approval of exactly this call."""
         self._guard("request_approval")
         if required_approvals < 1:
-            raise ValueError("required_approvals must be at least 1")
+            raise InvalidArgument("required_approvals must be at least 1")
         self._trigger(
             self.ApprovalRequested,
             now,
