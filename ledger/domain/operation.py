@@ -20,11 +20,14 @@ from ledger.domain.errors import IllegalTransition, InvalidArgument, TamperDetec
 from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event, event_hash
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
+from ledger.domain.values import Approval, Lease, Outcome, OutcomeStatus
+from schemas import RiskLevel
 
 __all__ = ["ALLOWED", "Operation", "Refusal"]
 
 S = OperationState
-Outcome = Literal["succeeded", "failed", "unknown"]
+ResultOutcome = Literal["succeeded", "failed", "unknown"]
+"""What an executor's result says happened (`schemas.ResultEnvelope`, as the service reads it)."""
 
 
 class Refusal(str):
@@ -154,7 +157,7 @@ class Operation(BaseAggregate[str]):
             aggregate.attempt = 0
             aggregate.fencing_token = 0
             aggregate.lease = None
-            aggregate.leases = []
+            aggregate.leases = ()
             aggregate.outcome = None
             aggregate.cancel_requested = False
 
@@ -179,7 +182,7 @@ class Operation(BaseAggregate[str]):
             aggregate.output_schema_hash = self.output_schema_hash
             aggregate.proposal_hash = self.proposal_hash
             aggregate.arguments = self.arguments
-            aggregate.risk = self.risk
+            aggregate.risk = RiskLevel(self.risk)
             aggregate.max_attempts = self.max_attempts
             aggregate.retry_on = self.retry_on
 
@@ -196,7 +199,7 @@ class Operation(BaseAggregate[str]):
             aggregate.state = S.REJECTED
             aggregate.issues = self.issues
             aggregate.tool_version = self.tool_version
-            aggregate.outcome = {"status": "rejected", "category": self.category}
+            aggregate.outcome = Outcome(OutcomeStatus.REJECTED, category=self.category)
 
     class ApprovalRequested(Event):
         """A human must approve this exact call before it can run."""
@@ -211,15 +214,15 @@ class Operation(BaseAggregate[str]):
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.AWAITING_APPROVAL
-            aggregate.approval = {
-                "approval_id": self.approval_id,
-                "effect_preview": self.effect_preview,
-                "approver_roles": self.approver_roles,
-                "required_approvals": self.required_approvals,
-                "separation_of_duties": self.separation_of_duties,
-                "expires_at": self.expires_at,
-                "reason": self.reason,
-            }
+            aggregate.approval = Approval(
+                approval_id=self.approval_id,
+                effect_preview=self.effect_preview,
+                approver_roles=tuple(self.approver_roles),
+                required_approvals=self.required_approvals,
+                separation_of_duties=self.separation_of_duties,
+                expires_at=self.expires_at,
+                reason=self.reason,
+            )
 
     class ApprovalGranted(Event):
         """One approver approved the call bound to `proposal_hash`."""
@@ -248,7 +251,7 @@ class Operation(BaseAggregate[str]):
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.APPROVAL_DENIED
-            aggregate.outcome = {"status": "approval_denied", "by": self.approver}
+            aggregate.outcome = Outcome(OutcomeStatus.APPROVAL_DENIED, by=self.approver)
 
     class ApprovalExpired(Event):
         """Nobody approved in time."""
@@ -257,7 +260,7 @@ class Operation(BaseAggregate[str]):
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.APPROVAL_EXPIRED
-            aggregate.outcome = {"status": "approval_expired"}
+            aggregate.outcome = Outcome(OutcomeStatus.APPROVAL_EXPIRED)
 
     class Readied(Event):
         """The call may run: auto-approved, or its approvals are complete."""
@@ -282,13 +285,13 @@ class Operation(BaseAggregate[str]):
             aggregate.state = S.EXECUTING
             aggregate.attempt = self.attempt
             aggregate.fencing_token = self.fencing_token
-            aggregate.lease = {
-                "executor": self.executor,
-                "fencing_token": self.fencing_token,
-                "attempt": self.attempt,
-                "expires_at": self.lease_expires_at,
-            }
-            aggregate.leases = [*aggregate.leases, aggregate.lease]
+            aggregate.lease = Lease(
+                executor=self.executor,
+                fencing_token=self.fencing_token,
+                attempt=self.attempt,
+                expires_at=self.lease_expires_at,
+            )
+            aggregate.leases = (*aggregate.leases, aggregate.lease)
 
     class LeaseExpired(Event):
         """The executor did not report in time; the side effect may have happened."""
@@ -313,14 +316,13 @@ class Operation(BaseAggregate[str]):
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.SUCCEEDED
             aggregate.lease = None
-            aggregate.outcome = {
-                "status": "succeeded",
-                "output_hash": self.output_hash,
-                "result_ref": self.result_ref,
-                "attempt": self.attempt,
-            }
-            if self.envelope_hash:
-                aggregate.outcome["envelope_hash"] = self.envelope_hash
+            aggregate.outcome = Outcome(
+                OutcomeStatus.SUCCEEDED,
+                attempt=self.attempt,
+                output_hash=self.output_hash,
+                result_ref=self.result_ref,
+                envelope_hash=self.envelope_hash,
+            )
 
     class Failed(Event):
         """The tool reported a failure (or its result broke the output contract)."""
@@ -338,13 +340,13 @@ class Operation(BaseAggregate[str]):
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.FAILED
             aggregate.lease = None
-            aggregate.outcome = {
-                "status": "failed",
-                "code": self.code,
-                "category": self.category,
-                "retryable": self.retryable,
-                "attempt": self.attempt,
-            }
+            aggregate.outcome = Outcome(
+                OutcomeStatus.FAILED,
+                attempt=self.attempt,
+                code=self.code,
+                category=self.category,
+                retryable=self.retryable,
+            )
 
     class OutcomeUnknown(Event):
         """The executor cannot tell whether the side effect happened."""
@@ -382,25 +384,24 @@ class Operation(BaseAggregate[str]):
         def apply_to(self, aggregate: Any) -> None:
             if self.outcome == "succeeded":
                 aggregate.state = S.SUCCEEDED
-                aggregate.outcome = {
-                    "status": "succeeded",
-                    "output_hash": self.output_hash,
-                    "result_ref": self.result_ref,
-                    "attempt": aggregate.attempt,
-                    "reconciled": True,
-                }
-                if self.envelope_hash:
-                    aggregate.outcome["envelope_hash"] = self.envelope_hash
+                aggregate.outcome = Outcome(
+                    OutcomeStatus.SUCCEEDED,
+                    attempt=aggregate.attempt,
+                    output_hash=self.output_hash,
+                    result_ref=self.result_ref,
+                    envelope_hash=self.envelope_hash,
+                    reconciled=True,
+                )
             else:
                 aggregate.state = S.FAILED
-                aggregate.outcome = {
-                    "status": "failed",
-                    "code": self.code,
-                    "category": self.category,
-                    "retryable": self.retryable,
-                    "attempt": aggregate.attempt,
-                    "reconciled": True,
-                }
+                aggregate.outcome = Outcome(
+                    OutcomeStatus.FAILED,
+                    attempt=aggregate.attempt,
+                    code=self.code,
+                    category=self.category,
+                    retryable=self.retryable,
+                    reconciled=True,
+                )
 
     class ReconciliationInconclusive(Event):
         """A reconciliation could not tell what happened; a human (or a later try) must."""
@@ -456,7 +457,7 @@ class Operation(BaseAggregate[str]):
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.CANCELLED
             aggregate.lease = None
-            aggregate.outcome = {"status": "cancelled", "by": self.by}
+            aggregate.outcome = Outcome(OutcomeStatus.CANCELLED, by=self.by)
 
     class CancelTooLate(Event):
         """A cancellation arrived after the side effect had happened."""
@@ -496,18 +497,18 @@ class Operation(BaseAggregate[str]):
         output_schema_hash: str | None
         proposal_hash: str | None
         arguments: dict[str, Any] | None
-        risk: str | None
+        risk: RiskLevel | None
         max_attempts: int
         retry_on: list[str]
         issues: list[dict[str, Any]]
-        approval: dict[str, Any] | None
+        approval: Approval | None
         approvers: list[str]
         approval_consumed: bool
         attempt: int
         fencing_token: int
-        lease: dict[str, Any] | None
-        leases: list[dict[str, Any]]
-        outcome: dict[str, Any] | None
+        lease: Lease | None
+        leases: tuple[Lease, ...]
+        outcome: Outcome | None
         cancel_requested: bool
 
     # ------------------------------------------------------------- commands
@@ -669,7 +670,7 @@ class Operation(BaseAggregate[str]):
                 reason=refusal,
             )
             if refusal == "expired":
-                self._trigger(self.ApprovalExpired, now, approval_id=self.approval["approval_id"])
+                self._trigger(self.ApprovalExpired, now, approval_id=self.approval.approval_id)
             return refusal
         self._trigger(
             self.ApprovalGranted,
@@ -678,7 +679,7 @@ class Operation(BaseAggregate[str]):
             approver=approver,
             proposal_hash=proposal_hash,
         )
-        if len(self.approvers) >= self.approval["required_approvals"]:
+        if len(self.approvers) >= self.approval.required_approvals:
             self._trigger(
                 self.Readied, now, approval_id=approval_id, approvers=list(self.approvers)
             )
@@ -693,17 +694,17 @@ class Operation(BaseAggregate[str]):
         now: datetime,
     ) -> Refusal | None:
         assert self.approval is not None
-        if approval_id != self.approval["approval_id"]:
+        if approval_id != self.approval.approval_id:
             return Refusal("unknown_approval")
         if self.approval_consumed or self.state is not S.AWAITING_APPROVAL:
             return Refusal("approval_consumed")
         if proposal_hash != self.proposal_hash:
             return Refusal("proposal_hash_mismatch")
-        if now >= self.approval["expires_at"]:
+        if now >= self.approval.expires_at:
             return Refusal("expired")
-        if self.approval["separation_of_duties"] and approver == self.actor:
+        if self.approval.separation_of_duties and approver == self.actor:
             return Refusal("requester_cannot_approve")
-        if not approver_roles & set(self.approval["approver_roles"]):
+        if not approver_roles & set(self.approval.approver_roles):
             return Refusal("not_an_approver")
         if approver in self.approvers:
             return Refusal("duplicate_approver")
@@ -713,7 +714,7 @@ class Operation(BaseAggregate[str]):
         """Deny the call; it will never run."""
         self._guard("deny_approval")
         assert self.approval is not None
-        if approval_id != self.approval["approval_id"]:
+        if approval_id != self.approval.approval_id:
             raise IllegalTransition("no such approval request", operation_id=self.id)
         self._trigger(
             self.ApprovalDenied, now, approval_id=approval_id, approver=approver, reason=reason
@@ -723,9 +724,9 @@ class Operation(BaseAggregate[str]):
         """Expire the approval request, if its time has passed."""
         self._guard("expire_approval")
         assert self.approval is not None
-        if now < self.approval["expires_at"]:
+        if now < self.approval.expires_at:
             raise IllegalTransition("the approval has not expired yet", operation_id=self.id)
-        self._trigger(self.ApprovalExpired, now, approval_id=self.approval["approval_id"])
+        self._trigger(self.ApprovalExpired, now, approval_id=self.approval.approval_id)
 
     def claim_lease(self, *, executor: str, ttl: timedelta, now: datetime) -> int:
         """Hand the operation to `executor`; returns the new, larger fencing token."""
@@ -745,7 +746,7 @@ class Operation(BaseAggregate[str]):
         """The lease ran out without a result: the outcome is now unknown."""
         self._guard("expire_lease")
         assert self.lease is not None
-        if now < self.lease["expires_at"]:
+        if now < self.lease.expires_at:
             raise IllegalTransition("the lease has not expired yet", operation_id=self.id)
         self._trigger(self.LeaseExpired, now, fencing_token=self.fencing_token)
 
@@ -754,7 +755,7 @@ class Operation(BaseAggregate[str]):
         *,
         fencing_token: int,
         executor: str,
-        outcome: Outcome,
+        outcome: ResultOutcome,
         now: datetime,
         output_hash: str = "",
         result_ref: str = "",
@@ -838,9 +839,11 @@ class Operation(BaseAggregate[str]):
     def _late_result(
         self, token: int, executor: str, outcome: str, output_hash: str, now: datetime
     ) -> ResultDisposition:
-        recorded = self.outcome or {}
-        same = recorded.get("status") == outcome and (
-            outcome != "succeeded" or recorded.get("output_hash") == output_hash
+        recorded = self.outcome
+        same = (
+            recorded is not None
+            and recorded.status == outcome
+            and (outcome != "succeeded" or recorded.output_hash == output_hash)
         )
         if same:
             return ResultDisposition.DUPLICATE
@@ -917,11 +920,12 @@ class Operation(BaseAggregate[str]):
     @property
     def can_retry(self) -> bool:
         """Whether a failed attempt may be retried under the contract's retry policy."""
-        outcome = self.outcome or {}
+        outcome = self.outcome
         return (
             self.state is S.FAILED
-            and bool(outcome.get("retryable"))
-            and outcome.get("category") in self.retry_on
+            and outcome is not None
+            and outcome.retryable
+            and outcome.category in self.retry_on
             and self.attempt < self.max_attempts
         )
 

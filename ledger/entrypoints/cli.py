@@ -649,13 +649,13 @@ def operation_view(operation: Operation) -> dict[str, Any]:
         "arguments": operation.arguments,
         "proposed_arguments": operation.proposal.get("arguments"),
         "issues": operation.issues,
-        "approval": operation.approval,
+        "approval": operation.approval.as_dict() if operation.approval else None,
         "approvers": operation.approvers,
         "attempt": operation.attempt,
         "max_attempts": operation.max_attempts,
-        "lease": operation.lease,
-        "leases": operation.leases,
-        "outcome": operation.outcome,
+        "lease": operation.lease.as_dict() if operation.lease else None,
+        "leases": [lease.as_dict() for lease in operation.leases],
+        "outcome": operation.outcome.as_dict() if operation.outcome else None,
         "cancel_requested": operation.cancel_requested,
     }
 
@@ -774,7 +774,7 @@ def pending_view(row: dict[str, Any]) -> dict[str, Any]:
 
 def approval_view(operation: Operation) -> dict[str, Any]:
     """What an approver must see, from the approval request's effect preview."""
-    approval = operation.approval or {}
+    approval = operation.approval.as_dict() if operation.approval else {}
     preview: dict[str, Any] = approval.get("effect_preview") or {}
     return {
         "operation_id": operation.id,
@@ -804,7 +804,7 @@ def approval_view(operation: Operation) -> dict[str, Any]:
 
 def decision_view(operation: Operation, decision: str, user: str) -> dict[str, Any]:
     """The operation after an approver's decision."""
-    approval = operation.approval or {}
+    approval = operation.approval.as_dict() if operation.approval else {}
     return {
         "operation_id": operation.id,
         "decision": decision,

@@ -35,7 +35,7 @@ class Approvals:
         roles = frozenset(approver_roles)
 
         def command(operation: Operation) -> tuple[Operation, str | None]:
-            given = approval_id or (operation.approval or {}).get("approval_id", "")
+            given = approval_id or _open_approval_id(operation)
             refusal = operation.grant_approval(
                 approval_id=given,
                 approver=approver,
@@ -57,7 +57,7 @@ class Approvals:
 
         def command(operation: Operation) -> Operation:
             operation.deny_approval(
-                approval_id=(operation.approval or {}).get("approval_id", ""),
+                approval_id=_open_approval_id(operation),
                 approver=approver,
                 reason=reason,
                 now=self._clock(),
@@ -65,3 +65,7 @@ class Approvals:
             return operation
 
         return self._runner.update(operation_id, command)
+
+
+def _open_approval_id(operation: Operation) -> str:
+    return operation.approval.approval_id if operation.approval is not None else ""

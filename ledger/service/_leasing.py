@@ -73,12 +73,12 @@ class Leasing:
             token = operation.claim_lease(executor=executor, ttl=ttl, now=now)
             return _lease_reply(LeaseDecision.EXECUTE, operation, token, timeout_ms)
         if state in (OperationState.EXECUTING, OperationState.CANCEL_REQUESTED):
-            lease = operation.lease or {}
-            if lease.get("expires_at", now) > now:
+            lease = operation.lease
+            if lease is not None and lease.expires_at > now:
                 return LeaseReply(
                     decision=LeaseDecision.BUSY,
                     operation_id=operation.id,
-                    reason=f"leased to {lease.get('executor')} until {lease['expires_at']}",
+                    reason=f"leased to {lease.executor} until {lease.expires_at}",
                 )
             operation.expire_lease(now)
         if operation.state is OperationState.OUTCOME_UNKNOWN:
@@ -95,7 +95,7 @@ class Leasing:
 def _lease_reply(
     decision: LeaseDecision, operation: Operation, token: int, timeout_ms: int
 ) -> LeaseReply:
-    lease = operation.lease or {}
+    lease = operation.lease
     return LeaseReply(
         decision=decision,
         operation_id=operation.id,
@@ -104,7 +104,7 @@ def _lease_reply(
         arguments=dict(operation.arguments or {}),
         fencing_token=token,
         attempt=operation.attempt,
-        lease_expires_at=lease.get("expires_at"),
+        lease_expires_at=lease.expires_at if lease is not None else None,
         timeout_ms=timeout_ms,
         proposal_hash=operation.proposal_hash,
     )

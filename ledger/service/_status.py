@@ -43,7 +43,7 @@ class StatusReader:
         if host is not None and operation.host != host:
             # Only an operation submitted before IDs were scoped can be here.
             raise OperationNotFound("no such operation", operation_id=asked)
-        outcome = operation.outcome
+        outcome = operation.outcome.as_dict() if operation.outcome is not None else None
         result = None
         if outcome and outcome.get("result_ref"):
             # Only the exact envelope its event bound (RESULT_INTEGRITY otherwise).

@@ -48,7 +48,7 @@ class Sweeps:
         # whose lease ran out, not every one in flight.
         for operation_id in self._view.lease_expiry_candidates(now):
             operation = self._runner.get(operation_id)
-            if operation.lease and operation.lease["expires_at"] <= now:
+            if operation.lease is not None and operation.lease.expires_at <= now:
                 self._runner.update(operation_id, lambda op: op.expire_lease(now))
                 expired.append(operation_id)
         return expired

@@ -79,7 +79,7 @@ def ledger_ids(home: Path) -> Iterator[dict[str, str]]:
         assert operation.approval is not None and operation.proposal_hash is not None
         yield {
             "proposal_hash": operation.proposal_hash,
-            "approval_id": operation.approval["approval_id"],
+            "approval_id": operation.approval.approval_id,
             "events_table": ledger.events_table,
         }
     finally:

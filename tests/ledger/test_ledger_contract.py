@@ -98,7 +98,7 @@ def test_approval_is_bound_to_the_proposal_hash(ledger: Ledger) -> None:
     assert submission.state is S.AWAITING_APPROVAL
     operation = ledger.get("mail-1")
     assert operation.approval is not None
-    preview = operation.approval["effect_preview"]
+    preview = operation.approval.effect_preview
     assert preview["arguments"]["recipient_ids"] == ["cus-0001"]
     assert preview["reversible"] is False
     with pytest.raises(ApprovalRefused, match="proposal_hash_mismatch"):
@@ -134,8 +134,8 @@ def test_a_refund_above_500_needs_two_distinct_approvers_and_a_small_one_needs_o
         assert ledger.submit(_refund(operation_id, amount_cents), ALICE).state is (
             S.AWAITING_APPROVAL)
         approval = ledger.get(operation_id).approval
-        assert approval is not None and approval["required_approvals"] == needed
-        proposal_hash = approval["effect_preview"]["proposal_hash"]
+        assert approval is not None and approval.required_approvals == needed
+        proposal_hash = approval.effect_preview["proposal_hash"]
         ledger.approve(operation_id, approver="fin-1", approver_roles=finance,
                        proposal_hash=proposal_hash)
         if needed == 2:
@@ -226,8 +226,9 @@ def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
     assert ledger.record_result(ok) is ResultDisposition.DUPLICATE
     operation = ledger.get("op-1")
     assert operation.state is S.SUCCEEDED
-    assert [lease["executor"] for lease in operation.leases] == ["exec-1", "exec-2"]
-    kept = ledger.results.get(operation.outcome["result_ref"])  # type: ignore[index]
+    assert [lease.executor for lease in operation.leases] == ["exec-1", "exec-2"]
+    assert operation.outcome is not None
+    kept = ledger.results.get(operation.outcome.result_ref)
     assert kept is not None
     assert kept.provenance.executor == "exec-2"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from datetime import timedelta
 
@@ -21,7 +22,8 @@ def _types(operation: Operation) -> list[str]:
 def _two_person() -> Operation:
     op = _awaiting()
     assert op.approval is not None
-    op.approval["required_approvals"] = 2  # as if requested with a two-person policy
+    # As if requested with a two-person policy.
+    op.approval = dataclasses.replace(op.approval, required_approvals=2)
     op.collect_events()
     return op
 
@@ -114,8 +116,8 @@ def test_each_claim_gets_a_larger_fencing_token_and_history_keeps_every_lease() 
     token = op.claim_lease(executor="e2", ttl=timedelta(seconds=30), now=T0)
     assert token == 2
     assert op.attempt == 2
-    assert [lease["fencing_token"] for lease in op.leases] == [1, 2]
-    assert [lease["executor"] for lease in op.leases] == ["e", "e2"]
+    assert [lease.fencing_token for lease in op.leases] == [1, 2]
+    assert [lease.executor for lease in op.leases] == ["e", "e2"]
 
 
 def test_a_stale_executor_result_is_recorded_and_changes_nothing() -> None:
@@ -159,7 +161,8 @@ def test_the_same_result_twice_converges_and_a_different_one_is_only_recorded() 
     assert _types(op) == ["ConflictingOutcomeRecorded"]
     assert op.state is S.SUCCEEDED
     assert op.outcome is not None
-    assert op.outcome["output_hash"] == "out-1"
+    assert op.outcome is not None
+    assert op.outcome.output_hash == "out-1"
 
 
 def test_retry_needs_a_retryable_category_and_attempts_left() -> None:

@@ -1,0 +1,123 @@
+"""The operation's state as frozen values: its approval request, its leases, its outcome.
+
+Set by the events' `apply_to` only; commands read them, never change them.
+`Outcome.as_dict` is the outcome as hosts receive it (`OperationStatus.outcome`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+__all__ = ["Approval", "Lease", "Outcome", "OutcomeStatus"]
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    """The open approval request: who may approve, how many, until when."""
+
+    approval_id: str
+    effect_preview: Mapping[str, Any]
+    """What the approvers are shown (`ledger.service.effect_preview`)."""
+    approver_roles: tuple[str, ...]
+    required_approvals: int
+    separation_of_duties: bool
+    """Whether the requester is barred from approving their own call."""
+    expires_at: datetime
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """As JSON-able data (for operators' views)."""
+        return {
+            "approval_id": self.approval_id,
+            "effect_preview": dict(self.effect_preview),
+            "approver_roles": list(self.approver_roles),
+            "required_approvals": self.required_approvals,
+            "separation_of_duties": self.separation_of_duties,
+            "expires_at": self.expires_at,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One lease of the operation to an executor, fenced by its token."""
+
+    executor: str
+    fencing_token: int
+    attempt: int
+    expires_at: datetime
+
+    def as_dict(self) -> dict[str, Any]:
+        """As JSON-able data (for operators' views)."""
+        return {
+            "executor": self.executor,
+            "fencing_token": self.fencing_token,
+            "attempt": self.attempt,
+            "expires_at": self.expires_at,
+        }
+
+
+class OutcomeStatus(StrEnum):
+    """How an operation ended (or, for `FAILED`, how its last attempt did)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    REJECTED = "rejected"
+    APPROVAL_DENIED = "approval_denied"
+    APPROVAL_EXPIRED = "approval_expired"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the operation's settling event established."""
+
+    status: OutcomeStatus
+    attempt: int | None = None
+    output_hash: str = ""
+    result_ref: str = ""
+    """Where the result envelope is kept (a success, or a reconciled one)."""
+    envelope_hash: str = ""
+    """SHA-256 of the exact envelope text kept under `result_ref` ("" before it existed)."""
+    code: str = ""
+    category: str = ""
+    """The error category of a failure, or the finding category of a rejection."""
+    retryable: bool = False
+    by: str = ""
+    """Who denied or cancelled it."""
+    reconciled: bool = False
+    """Established after the fact, by reconciliation."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The outcome as hosts receive it: only the keys its status has."""
+        status = self.status
+        if status is OutcomeStatus.SUCCEEDED:
+            body: dict[str, Any] = {
+                "status": status.value,
+                "output_hash": self.output_hash,
+                "result_ref": self.result_ref,
+                "attempt": self.attempt,
+            }
+        elif status is OutcomeStatus.FAILED:
+            body = {
+                "status": status.value,
+                "code": self.code,
+                "category": self.category,
+                "retryable": self.retryable,
+                "attempt": self.attempt,
+            }
+        elif status is OutcomeStatus.REJECTED:
+            return {"status": status.value, "category": self.category}
+        elif status is OutcomeStatus.APPROVAL_EXPIRED:
+            return {"status": status.value}
+        else:  # denied or cancelled
+            return {"status": status.value, "by": self.by}
+        if self.reconciled:
+            body["reconciled"] = True
+        if self.envelope_hash and status is OutcomeStatus.SUCCEEDED:
+            body["envelope_hash"] = self.envelope_hash
+        return body
