@@ -7,7 +7,7 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas import CanonicalizationError, canonical_json, proposal_hash
+from schemas import CanonicalizationError, OpledgerError, canonical_json, proposal_hash
 from schemas._canonical import _orjson_is_canonical
 
 
@@ -18,6 +18,14 @@ def test_canonical_json_sorts_keys_and_normalizes_numbers() -> None:
 def test_canonical_json_refuses_integers_beyond_2_53() -> None:
     with pytest.raises(CanonicalizationError):
         canonical_json({"n": 2**60})
+
+
+def test_canonicalization_error_is_an_opledger_error_and_still_a_value_error() -> None:
+    with pytest.raises(CanonicalizationError) as caught:
+        canonical_json({"n": float("nan")})
+    assert isinstance(caught.value, OpledgerError)
+    assert isinstance(caught.value, ValueError)
+    assert caught.value.code == "NOT_CANONICAL_JSON"
 
 
 def _hash(**overrides: object) -> str:
