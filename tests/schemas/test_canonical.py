@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import rfc8785
 from hypothesis import given, settings
@@ -74,7 +76,7 @@ _json = st.recursive(
 
 @settings(max_examples=400, deadline=None)
 @given(value=_json)
-def test_fast_path_is_byte_identical_to_rfc8785(value: object) -> None:
+def test_fast_path_is_byte_identical_to_rfc8785(value: Any) -> None:
     assert canonical_json(value) == rfc8785.dumps(value)
 
 
@@ -87,7 +89,7 @@ def test_fast_path_is_byte_identical_to_rfc8785(value: object) -> None:
         {"n": 2**53},
     ],
 )
-def test_values_outside_the_fast_path_take_the_reference(value: object) -> None:
+def test_values_outside_the_fast_path_take_the_reference(value: Any) -> None:
     assert not _orjson_is_canonical(value)
     try:
         expected = rfc8785.dumps(value)
