@@ -74,12 +74,13 @@ def _sqlite_normal(_value: str) -> None:
     original = sqlite3.connect
 
     def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        connection = original(*args, **kwargs)
+        connection: sqlite3.Connection = original(*args, **kwargs)
         with contextlib.suppress(sqlite3.Error):
             connection.execute("PRAGMA synchronous=NORMAL")
         return connection
 
-    sqlite3.connect = connect
+    # Replaced on purpose; its overloads cannot be restated by a wrapper.
+    sqlite3.connect = connect  # type: ignore[assignment]
 
 
 def _switch_interval(value: str) -> None:

@@ -29,11 +29,12 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import psycopg
 from eventsourcing.persistence import StoredEvent
 
-from ledger import Ledger, StorageConfig, build_ledger
+from ledger import Ledger, StorageConfig, Submission, build_ledger
 from ledger.audit.seal import SealKey, seal_time
 from policy import ContractRegistry, InMemoryTargetResolver
 from policy.catalog import CATALOG_DIR, SAMPLE_RULES, sample_targets
@@ -73,8 +74,11 @@ def _proposal(n: int) -> ToolProposal:
 def _happy_path(ledger: Ledger, ops: int, batch: int) -> float:
     start = time.perf_counter()
     for first in range(0, ops, batch):
-        submissions = ledger.submit_many(
-            [(_proposal(n), CONTEXT) for n in range(first, min(first + batch, ops))]
+        submissions = cast(
+            "list[Submission]",
+            ledger.submit_many(
+                [(_proposal(n), CONTEXT) for n in range(first, min(first + batch, ops))]
+            ),
         )
         grants = [
             grant

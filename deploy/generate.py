@@ -24,7 +24,7 @@ seed directory 0700). Running the generator again rotates every NKey and the
 route password and rewrites the nats configs; the PostgreSQL password is kept,
 because the database only reads it when its data directory is first initialised.
 
-The nats configs are rendered with `ledger.nats._conf.render_server_config`
+The nats configs are rendered with `ledger.nats.render_server_config`
 (what `write_server_config` uses), with the cluster block written here:
 `ClusterOptions` has no route authorization, and `write_server_config` binds
 monitoring to the client listen address.
@@ -55,8 +55,13 @@ import yaml  # noqa: E402
 
 from executors import Tool, load_tool  # noqa: E402
 from executors.samples import SAMPLE_TOOLS  # noqa: E402
-from ledger.nats import CredentialSet, generate_credentials  # noqa: E402
-from ledger.nats._conf import ServerSettings, quote, render_server_config  # noqa: E402
+from ledger.nats import (  # noqa: E402
+    CredentialSet,
+    ServerSettings,
+    generate_credentials,
+    quote,
+    render_server_config,
+)
 
 __all__ = [
     "CLIENT_PORT",

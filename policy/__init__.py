@@ -6,6 +6,7 @@ The public surface:
 - `ContractRegistry` / `ToolCatalog`: load operator files, refuse bad ones, pin versions.
 - `ProposalChecker`: parse → tool → structure → semantics → authorization → risk →
   approval → budget, returning a `schemas.Decision` and never raising.
+- Errors, each an `OpledgerError`: `ContractError`, `ToolFormatError`, `ArgumentLimitsError`.
 - Ports the host supplies (`TargetResolver`, `BudgetCounter`, `SemanticRule`) and
   in-memory adapters of them.
 """
@@ -16,7 +17,6 @@ from policy._check._structure import CompiledSchema
 from policy._contract import (
     ApprovalMode,
     ApprovalPolicy,
-    ContractError,
     EffectClass,
     ErrorModelEntry,
     Idempotency,
@@ -30,6 +30,7 @@ from policy._contract import (
     ToolDescription,
     ToolVersion,
 )
+from policy._errors import ArgumentLimitsError, ContractError, ToolFormatError
 from policy._export import (
     StrictModeProblem,
     StrictModeReport,
@@ -49,6 +50,7 @@ __all__ = [
     "ApprovalMode",
     "ApprovalPolicy",
     "ArgumentLimits",
+    "ArgumentLimitsError",
     "BudgetCounter",
     "CompiledSchema",
     "ContractError",
@@ -75,6 +77,7 @@ __all__ = [
     "ToolContract",
     "ToolDescription",
     "ToolFormat",
+    "ToolFormatError",
     "ToolVersion",
     "export_tool",
     "json_pointer",

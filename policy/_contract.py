@@ -12,12 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas import ErrorCategory, OpledgerError, RiskLevel, canonical_json, sha256_hex
+from schemas import ErrorCategory, RiskLevel, canonical_json, sha256_hex
 
 __all__ = [
     "ApprovalMode",
     "ApprovalPolicy",
-    "ContractError",
     "EffectClass",
     "ErrorModelEntry",
     "Idempotency",
@@ -222,19 +221,6 @@ class ToolVersion(_Frozen):
     version: str
     input_schema_hash: str
     output_schema_hash: str
-
-
-class ContractError(OpledgerError, ValueError):
-    """A contract file is invalid. `source` and `pointer` say where."""
-
-    category = ErrorCategory.INVALID_INPUT
-    code = "INVALID_CONTRACT"
-
-    def __init__(self, message: str, *, source: str = "", pointer: str = "") -> None:
-        self.source = source
-        self.pointer = pointer
-        where = ":".join(part for part in (source, pointer) if part)
-        super().__init__(f"{where}: {message}" if where else message, pointer=pointer)
 
 
 class ToolContract(_Frozen):

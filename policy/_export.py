@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from policy._check._pointer import MISSING, resolve_pointer
-from policy._contract import ContractError, EffectClass, ToolContract
+from policy._contract import EffectClass, ToolContract
+from policy._errors import ContractError, ToolFormatError
 from policy._registry import json_pointer
 
 __all__ = [
@@ -468,4 +469,6 @@ def export_tool(contract: ToolContract, fmt: ToolFormat) -> dict[str, Any]:
         return to_anthropic_tool(contract)
     if fmt == "mcp":
         return to_mcp_tool(contract)
-    raise ValueError(f"unknown tool format {fmt!r}; use 'openai', 'anthropic' or 'mcp'")
+    raise ToolFormatError(
+        f"unknown tool format {fmt!r}; use 'openai', 'anthropic' or 'mcp'", format=str(fmt)
+    )

@@ -13,7 +13,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import ValidationError
 
-from policy._contract import ContractError, ToolContract
+from policy._contract import ToolContract
+from policy._errors import ContractError
 
 __all__ = ["ContractRegistry", "ToolCatalog", "json_pointer"]
 

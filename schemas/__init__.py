@@ -9,7 +9,7 @@ same shapes are published as Draft 2020-12 JSON Schema files in
 `schemas/json/`, so a host written in any language can take part.
 """
 
-from schemas._canonical import CanonicalizationError, canonical_json, proposal_hash, sha256_hex
+from schemas._canonical import canonical_json, proposal_hash, sha256_hex
 from schemas._decision import (
     ApprovalRequirement,
     CheckStage,
@@ -20,7 +20,7 @@ from schemas._decision import (
     ValidationIssue,
 )
 from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
-from schemas._exceptions import OpledgerError
+from schemas._exceptions import CanonicalizationError, OpledgerError
 from schemas._messages import (
     FeedEvent,
     LeaseDecision,

@@ -15,12 +15,9 @@ from typing import Any
 import orjson
 import rfc8785
 
-__all__ = ["CanonicalizationError", "canonical_json", "proposal_hash", "sha256_hex"]
+from schemas._exceptions import CanonicalizationError
 
-
-class CanonicalizationError(ValueError):
-    """A value has no canonical JSON form (NaN, huge integer, non-JSON type)."""
-
+__all__ = ["canonical_json", "proposal_hash", "sha256_hex"]
 
 _SAFE_INT = 2**53 - 1
 _SURROGATES_START = "\ud800"

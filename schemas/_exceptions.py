@@ -1,8 +1,9 @@
-"""The one exception hierarchy of opledger.
+"""The one exception hierarchy of opledger, and the errors of `schemas` itself.
 
 Every error opledger raises on purpose derives from `OpledgerError` and knows
 its category and stable code, so entry points turn any of them into an
-`ErrorEnvelope` without ever showing a stack trace.
+`ErrorEnvelope` without ever showing a stack trace. Each package keeps its own
+errors in one module (this one for `schemas`) and re-exports them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
 
-__all__ = ["OpledgerError"]
+__all__ = ["CanonicalizationError", "OpledgerError"]
 
 
 class OpledgerError(Exception):
@@ -41,3 +42,14 @@ class OpledgerError(Exception):
     def to_envelope(self, **meta: Any) -> ErrorEnvelope:
         """This error as a complete `ErrorEnvelope`."""
         return ErrorEnvelope(error=self.to_info(), meta=meta)
+
+
+class CanonicalizationError(OpledgerError, ValueError):
+    """A value has no canonical JSON form (NaN, huge integer, non-JSON type).
+
+    Still a `ValueError`, as it was before it joined the tree, so that callers
+    catching `ValueError` keep working.
+    """
+
+    category = ErrorCategory.INVALID_INPUT
+    code = "NOT_CANONICAL_JSON"

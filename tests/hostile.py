@@ -98,7 +98,7 @@ def hostile_json_text() -> st.SearchStrategy[str]:
             st.sampled_from([255 * 1024, 256 * 1024 - 13, 256 * 1024 + 1, 600 * 1024]),
         ),
         st.text(max_size=30),
-    )  # type: ignore[return-value]
+    )
 
 
 def hostile_names() -> st.SearchStrategy[str]:

@@ -6,13 +6,14 @@ Public surface:
 - `generate_credentials`, `load_credentials`, `CredentialSet`, `Identity`, `Role`,
   `permissions_for`, `connect_options`, `reply_allowed`, `write_server_config`:
   one NKey per identity, and exactly the subjects each role may use.
+- `ServerSettings`, `render_server_config`, `quote`: write a server's configuration file.
 - `connect_as`, `flush_all`: connect as an identity; a flush that orders after prior commands.
 - `declare_topology`: the streams and durable pull consumers (ledger identity only).
 - `read_feed`, `FeedMessage`: read the whole feed by sequence (auditor identity).
 - The errors, all `schemas.OpledgerError`s.
 """
 
-from ledger.nats._conf import ClusterOptions
+from ledger.nats._conf import ClusterOptions, ServerSettings, quote, render_server_config
 from ledger.nats.client import connect_as, flush_all
 from ledger.nats.errors import (
     CredentialsError,
@@ -59,6 +60,7 @@ __all__ = [
     "Permissions",
     "ResponsePermission",
     "Role",
+    "ServerSettings",
     "TopologyError",
     "authorization_config",
     "connect_as",
@@ -70,7 +72,9 @@ __all__ = [
     "generate_credentials",
     "load_credentials",
     "permissions_for",
+    "quote",
     "read_feed",
+    "render_server_config",
     "reply_allowed",
     "write_server_config",
 ]

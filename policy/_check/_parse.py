@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from policy._check._structure import json_type
+from policy._errors import ArgumentLimitsError
 from policy._registry import json_pointer
 from schemas import CheckStage, ValidationIssue
 
@@ -47,7 +48,7 @@ class ArgumentLimits:
 
     def __post_init__(self) -> None:
         if self.max_bytes < 2 or self.max_depth < 1 or self.max_issues < 1:
-            raise ValueError("argument limits must be positive")
+            raise ArgumentLimitsError("argument limits must be positive")
 
 
 DEFAULT_LIMITS = ArgumentLimits()

@@ -3,9 +3,11 @@
 `CATALOG_DIR` holds one `<tool>.yaml` contract per tool. JSON Schema checks
 the shape of each call; the rules in `SAMPLE_RULES` check what a schema
 cannot (relations between arguments, the clock, attributes of resolved
-targets). `sample_targets()` is a small world of two tenants for tests and
-demos, matching the cases of the seed texts (snapshots `snap-a-7`, `snap-a-8`
-and `snap-b-8` of seed 004, orders of `alice` and `bob`).
+targets). `sample_targets()` reads a small world of two tenants for tests and demos
+from a data file (`SAMPLE_TARGETS_FILE`, not code), matching the cases of the
+seed texts (snapshots `snap-a-7`, `snap-a-8` and `snap-b-8` of seed 004,
+orders of `alice` and `bob`); the sample executors' fake backends
+(`executors/samples/_world.py`) hold the same world.
 
     registry = ContractRegistry.from_directory(CATALOG_DIR)
     checker = ProposalChecker(
@@ -23,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from policy import InMemoryTargetResolver, SemanticInput, SemanticRule, Target, TargetResolver
+from policy._fakes import load_targets
 from schemas import CheckStage, ErrorCategory, ValidationIssue
 
 __all__ = [
     "CATALOG_DIR",
     "MAX_SPAN_CHARS",
     "SAMPLE_RULES",
+    "SAMPLE_TARGETS_FILE",
     "date_from_not_in_future",
     "incident_top_k_limit",
     "order_date_range",
@@ -43,6 +47,12 @@ __all__ = [
 
 CATALOG_DIR: Path = Path(__file__).resolve().parent
 """The directory of the sample contract files, one `<tool>.yaml` per tool."""
+
+SAMPLE_TARGETS_FILE: Path = CATALOG_DIR / "world" / "targets.json"
+"""The sample world's targets as data: a JSON array of `Target` fields, one target a line.
+
+In a subdirectory, so that loading `CATALOG_DIR` as contracts does not read it.
+"""
 
 MAX_SPAN_CHARS = 20_000
 """The most characters `read_document_span` returns in one call."""
@@ -365,149 +375,21 @@ SAMPLE_RULES: dict[str, tuple[SemanticRule, ...]] = {
 
 
 def sample_targets() -> list[Target]:
-    """A small fake world for tests and demos.
+    """The targets of the sample world, read from `SAMPLE_TARGETS_FILE`, for tests and demos.
 
     Tenant `acme`: documents `document-a` (revision 8) and `document-b`
     (revision 8); snapshots `snap-a-7`, `snap-a-8` of document-a and `snap-b-8`
     of document-b (seed 004); orders `order-1001`, `order-1003` (already
     refunded) and `order-1004` (a large one) of `alice`, `order-1002` of `bob`;
-    customers `cus-0001` to `cus-0600`.
-    Tenant `globex`: `document-g`, `snap-g-1`, `order-2001` of `carol` and
-    customer `cus-9001`, invisible to acme callers.
+    customers `cus-0001` to `cus-0600` (enough for seed 001's 500-recipient
+    mailing). Tenant `globex`: `document-g`, `snap-g-1`, `order-2001` of
+    `carol` and customer `cus-9001`, invisible to acme callers.
+
+    A document's and a snapshot's `version` is its revision and attribute
+    `length` its size in characters; a snapshot's `source_id` is its
+    document; an order's `owner` is the user who placed it.
     """
-    return [
-        # Documents: version is the current revision, length in characters.
-        Target(
-            kind="document",
-            id="document-a",
-            tenant="acme",
-            version="8",
-            attributes={"title": "Refund policy", "source_type": "policy", "length": 48_000},
-        ),
-        Target(
-            kind="document",
-            id="document-b",
-            tenant="acme",
-            version="8",
-            attributes={"title": "Shipping manual", "source_type": "manual", "length": 12_500},
-        ),
-        Target(
-            kind="document",
-            id="document-g",
-            tenant="globex",
-            version="1",
-            attributes={"title": "Globex handbook", "source_type": "manual", "length": 9_000},
-        ),
-        # Snapshots: source_id is the document they belong to.
-        Target(
-            kind="snapshot",
-            id="snap-a-7",
-            tenant="acme",
-            source_id="document-a",
-            version="7",
-            attributes={"sequence": 7, "length": 47_200, "retention_days": 30},
-        ),
-        Target(
-            kind="snapshot",
-            id="snap-a-8",
-            tenant="acme",
-            source_id="document-a",
-            version="8",
-            attributes={"sequence": 8, "length": 48_000, "retention_days": 60},
-        ),
-        Target(
-            kind="snapshot",
-            id="snap-b-8",
-            tenant="acme",
-            source_id="document-b",
-            version="8",
-            attributes={"sequence": 8, "length": 12_500},
-        ),
-        Target(
-            kind="snapshot",
-            id="snap-g-1",
-            tenant="globex",
-            source_id="document-g",
-            version="1",
-            attributes={"sequence": 1, "length": 9_000},
-        ),
-        # Orders: owner is the user who placed them.
-        Target(
-            kind="order",
-            id="order-1001",
-            tenant="acme",
-            owner="alice",
-            attributes={
-                "status": "delivered",
-                "currency": "USD",
-                "amount_cents": 12_000,
-                "refunded_cents": 2_000,
-                "customer_id": "cus-0001",
-            },
-        ),
-        Target(
-            kind="order",
-            id="order-1002",
-            tenant="acme",
-            owner="bob",
-            attributes={
-                "status": "paid",
-                "currency": "EUR",
-                "amount_cents": 8_000,
-                "refunded_cents": 0,
-                "customer_id": "cus-0002",
-            },
-        ),
-        Target(
-            kind="order",
-            id="order-1003",
-            tenant="acme",
-            owner="alice",
-            attributes={
-                "status": "refunded",
-                "currency": "USD",
-                "amount_cents": 4_500,
-                "refunded_cents": 4_500,
-                "customer_id": "cus-0001",
-            },
-        ),
-        Target(
-            kind="order",
-            id="order-1004",
-            tenant="acme",
-            owner="alice",
-            attributes={
-                "status": "delivered",
-                "currency": "USD",
-                "amount_cents": 250_000,
-                "refunded_cents": 0,
-                "customer_id": "cus-0001",
-            },
-        ),
-        Target(
-            kind="order",
-            id="order-2001",
-            tenant="globex",
-            owner="carol",
-            attributes={
-                "status": "paid",
-                "currency": "USD",
-                "amount_cents": 30_000,
-                "refunded_cents": 0,
-                "customer_id": "cus-9001",
-            },
-        ),
-        # Customers: recipients of e-mail and contacts of tickets.
-        Target(kind="customer", id="cus-0001", tenant="acme", attributes={"name": "Alice"}),
-        Target(kind="customer", id="cus-0002", tenant="acme", attributes={"name": "Bob"}),
-        Target(kind="customer", id="cus-0003", tenant="acme", attributes={"name": "Dana"}),
-        # A customer base large enough for seed 001's 500-recipient mailing.
-        *(
-            Target(kind="customer", id=f"cus-{n:04d}", tenant="acme", attributes={"name": f"C{n}"})
-            for n in range(4, 601)
-        ),
-        Target(kind="customer", id="cus-9001", tenant="globex", attributes={"name": "Carol"}),
-    ]
+    return load_targets(SAMPLE_TARGETS_FILE)
 
 
 def sample_plugins() -> tuple[TargetResolver, dict[str, tuple[SemanticRule, ...]]]:
@@ -515,5 +397,7 @@ def sample_plugins() -> tuple[TargetResolver, dict[str, tuple[SemanticRule, ...]
 
     A deployment names its own factory (`module:function`) returning its
     resolver over its real systems and its rules; the embedded stack uses this.
+    The checker sees the sample world only through the resolver (the
+    `TargetResolver` port), never by importing it.
     """
     return InMemoryTargetResolver(sample_targets()), SAMPLE_RULES

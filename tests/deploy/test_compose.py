@@ -34,10 +34,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import nats
+import nats.aio.client
 import nats.errors
 import pytest
 import yaml
@@ -407,7 +408,9 @@ def test_ledger_service_connects_to_every_listed_server(
     monkeypatch.setattr(ledger_main, "build_ledger", lambda *a, **k: StubLedger())
     # The container's seed file is not on this machine; the seal key is not under test.
     monkeypatch.setattr(
-        ledger_main.SealKey, "from_seed_file", classmethod(lambda cls, path: cls.generate())
+        cast(Any, ledger_main).SealKey,
+        "from_seed_file",
+        classmethod(lambda cls, path: cls.generate()),
     )
     monkeypatch.setattr(ledger_main, "_serve", connect_only)
     monkeypatch.setattr(nats, "connect", fake_connect)
@@ -815,7 +818,7 @@ def test_operations_lists_every_setting_flag_and_metric() -> None:
 def _executor_run_parser() -> ArgumentParser:
     parser = executor_main.build_parser()
     (commands,) = [a for a in parser._actions if a.dest == "command"]
-    run: ArgumentParser = commands.choices["run"]  # type: ignore[attr-defined]
+    run: ArgumentParser = cast("dict[str, ArgumentParser]", commands.choices)["run"]
     return run
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import Any
 
 import orjson
 import pytest
@@ -44,7 +45,7 @@ ALICE = RuntimeContext(
 )
 
 
-def _proposal(tool: str, arguments: dict, operation_id: str) -> ToolProposal:
+def _proposal(tool: str, arguments: dict[str, Any], operation_id: str) -> ToolProposal:
     return ToolProposal(proposal_id=f"p-{operation_id}", conversation_id="c-1",
                         requested_by_user_id="alice", tool_name=tool, arguments=arguments,
                         operation_id=operation_id)
@@ -294,7 +295,7 @@ async def test_an_auditor_reads_every_event_from_the_feed_as_the_ledger_stored_i
     auditor = await connect_as(stack.server.url, stack.credentials.auditor())
     feed = PullConsumer(auditor, FEED_STREAM, FEED_AUDITOR_CONSUMER)
     await feed.start()
-    seen: dict[tuple[str, int], dict] = {}
+    seen: dict[tuple[str, int], dict[str, Any]] = {}
     try:
         for _ in range(50):
             for message in await feed.take(100, timeout=0.2):

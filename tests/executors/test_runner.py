@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from executors import ExecutorConfigError, ExecutorRunner, Tool, ToolContext
-from schemas import LeaseDecision, LeaseReply, LeaseRequest, ResultEnvelope
+from schemas import LeaseDecision, LeaseReply, LeaseRequest, PullConsumer, ResultEnvelope
 from tests.executors.helpers import contract, reply, work_item
 
 TOOL = "search_documents"
@@ -72,7 +72,7 @@ class FakeNats:
         return self
 
     # schemas.PullConsumer, as the runner's `pull` factory builds it
-    def consumer(self, nc: Any, stream: str, consumer: str) -> FakeNats:
+    def consumer(self, nc: object, stream: str, consumer: str) -> FakeNats:
         assert nc is self
         self.bound = {"consumer": consumer, "stream": stream}
         return self
@@ -159,7 +159,7 @@ def _runner(fake: FakeNats, tool: Tool | None = None, **options: Any) -> Executo
         connect_options=options.pop("connect_options", {"servers": ["nats://127.0.0.1:4222"]}),
         executor="exec-7",
         connect=fake.connect,
-        pull=fake.consumer,
+        pull=cast("Callable[[Any, str, str], PullConsumer]", fake.consumer),
         fetch_timeout_s=0.05,
         **options,
     )

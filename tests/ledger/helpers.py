@@ -63,10 +63,11 @@ def email(operation_id: str | None = None, recipients: tuple[str, ...] = ("cus-0
     )
 
 
-def result(operation_id: str, token: int, attempt: int = 1, *, ok: bool = True,
+def result(operation_id: str, token: int | None, attempt: int = 1, *, ok: bool = True,
            data: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
            executor: str = "exec-1", tool: str = "search_documents") -> ResultEnvelope:
-    """An executor's result envelope."""
+    """An executor's result envelope (`token` from a lease reply, which must have one)."""
+    assert token is not None, "a result needs the fencing token of an executed lease"
     return ResultEnvelope.model_validate({
         "operation_id": operation_id,
         "fencing_token": token,

@@ -105,7 +105,10 @@ def _table_line(out: str, operation_id: str) -> str:
 # ---------------------------------------------------------------------------- ops list
 
 
-def test_ops_list_prints_an_aligned_table_newest_first(ledger_ids, capsys):
+def test_ops_list_prints_an_aligned_table_newest_first(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "ops", "list")
 
     assert (code, err) == (0, "")
@@ -123,7 +126,10 @@ def test_ops_list_prints_an_aligned_table_newest_first(ledger_ids, capsys):
         assert lines[0].index(column) == search.index(f" {value} ") + 1
 
 
-def test_ops_list_json_is_an_array_of_rows_and_filters_apply(ledger_ids, capsys):
+def test_ops_list_json_is_an_array_of_rows_and_filters_apply(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     rows = _json(capsys, "ops", "list")
     assert [row["operation_id"] for row in rows] == ["op-email", "op-search"]
     assert rows[1] | {"created_at": None, "updated_at": None} == {
@@ -143,7 +149,12 @@ def test_ops_list_json_is_an_array_of_rows_and_filters_apply(ledger_ids, capsys)
     assert len(_json(capsys, "ops", "list", "--limit", "1")) == 1
 
 
-def test_global_options_work_before_the_subcommand_too(ledger_ids, home, capsys, tmp_path_factory):
+def test_global_options_work_before_the_subcommand_too(
+    ledger_ids: dict[str, str],
+    home: Path,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     code, out, _ = _run(capsys, "--json", "ops", "list", "--state", "ready")
     assert code == 0
     assert [row["operation_id"] for row in json.loads(out)] == ["op-search"]
@@ -159,7 +170,10 @@ def test_global_options_work_before_the_subcommand_too(ledger_ids, home, capsys,
     assert len(json.loads(out)) == 2
 
 
-def test_a_usage_error_exits_2_without_running(ledger_ids, capsys):
+def test_a_usage_error_exits_2_without_running(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "ops", "list", "--limit", "0")
 
     assert (code, out) == (2, "")
@@ -169,7 +183,10 @@ def test_a_usage_error_exits_2_without_running(ledger_ids, capsys):
 # ---------------------------------------------------------------------------- ops show
 
 
-def test_ops_show_prints_key_fields_and_the_timeline(ledger_ids, capsys):
+def test_ops_show_prints_key_fields_and_the_timeline(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "ops", "show", "op-email")
 
     assert (code, err) == (0, "")
@@ -196,7 +213,10 @@ def test_ops_show_prints_key_fields_and_the_timeline(ledger_ids, capsys):
     assert f"approval {ledger_ids['approval_id']} requested: 1 from support_lead" in timeline[3]
 
 
-def test_ops_show_as_of_replays_to_that_version(ledger_ids, capsys):
+def test_ops_show_as_of_replays_to_that_version(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     data = _json(capsys, "ops", "show", "op-email", "--as-of", "2")
 
     assert (data["operation_id"], data["version"], data["as_of"]) == ("op-email", 2, 2)
@@ -214,7 +234,10 @@ def test_ops_show_as_of_replays_to_that_version(ledger_ids, capsys):
     assert len(current["timeline"]) == 3
 
 
-def test_ops_show_as_of_a_version_that_does_not_exist_is_an_error(ledger_ids, capsys):
+def test_ops_show_as_of_a_version_that_does_not_exist_is_an_error(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "ops", "show", "op-email", "--as-of", "9")
 
     assert (code, out) == (2, "")
@@ -224,7 +247,10 @@ def test_ops_show_as_of_a_version_that_does_not_exist_is_an_error(ledger_ids, ca
     )
 
 
-def test_unknown_operation_exits_2_with_one_line_and_no_traceback(ledger_ids, capsys):
+def test_unknown_operation_exits_2_with_one_line_and_no_traceback(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "ops", "show", "op-nope")
 
     assert (code, out) == (2, "")
@@ -243,7 +269,10 @@ def test_unknown_operation_exits_2_with_one_line_and_no_traceback(ledger_ids, ca
 # ------------------------------------------------------------------------------- audit
 
 
-def test_audit_verify_reports_counts_and_exits_0(ledger_ids, capsys):
+def test_audit_verify_reports_counts_and_exits_0(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "audit", "verify")
 
     assert (code, err) == (0, "")
@@ -269,7 +298,10 @@ def test_audit_verify_reports_counts_and_exits_0(ledger_ids, capsys):
     assert code == 0
 
 
-def test_audit_verify_with_a_wrong_expected_head_exits_1(ledger_ids, capsys):
+def test_audit_verify_with_a_wrong_expected_head_exits_1(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, _ = _run(capsys, "audit", "verify", "--expect-head", "0" * 64)
 
     assert code == 1
@@ -277,7 +309,11 @@ def test_audit_verify_with_a_wrong_expected_head_exits_1(ledger_ids, capsys):
     assert "head_mismatch: the sealed head digest is not the one expected" in out
 
 
-def test_audit_verify_finds_a_tampered_event(ledger_ids, home, capsys):
+def test_audit_verify_finds_a_tampered_event(
+    ledger_ids: dict[str, str],
+    home: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with sqlite3.connect(home / "ledger.db") as conn:
         table = ledger_ids["events_table"]
         (state,) = conn.execute(
@@ -313,7 +349,11 @@ def test_audit_verify_finds_a_tampered_event(ledger_ids, home, capsys):
     ]
 
 
-def test_audit_export_writes_one_json_line_per_event(ledger_ids, home, capsys):
+def test_audit_export_writes_one_json_line_per_event(
+    ledger_ids: dict[str, str],
+    home: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     target = home / "export.jsonl"
 
     code, out, err = _run(capsys, "audit", "export", "--output", str(target))
@@ -333,7 +373,10 @@ def test_audit_export_writes_one_json_line_per_event(ledger_ids, home, capsys):
     assert "Thanks for writing" not in target.read_text()
 
 
-def test_audit_export_defaults_to_stdout(ledger_ids, capsys):
+def test_audit_export_defaults_to_stdout(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "audit", "export")
 
     assert code == 0
@@ -343,7 +386,11 @@ def test_audit_export_defaults_to_stdout(ledger_ids, capsys):
     ]
 
 
-def test_audit_export_to_an_unwritable_path_is_one_line(ledger_ids, home, capsys):
+def test_audit_export_to_an_unwritable_path_is_one_line(
+    ledger_ids: dict[str, str],
+    home: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "audit", "export", "--output", str(home / "no" / "x.jsonl"))
 
     assert (code, out) == (2, "")
@@ -354,7 +401,10 @@ def test_audit_export_to_an_unwritable_path_is_one_line(ledger_ids, home, capsys
 # --------------------------------------------------------------------------- approvals
 
 
-def test_approvals_list_shows_the_pending_request(ledger_ids, capsys):
+def test_approvals_list_shows_the_pending_request(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "approvals", "list")
 
     assert (code, err) == (0, "")
@@ -374,7 +424,10 @@ def test_approvals_list_shows_the_pending_request(ledger_ids, capsys):
     assert pending["approval_expires_at"].endswith("Z")
 
 
-def test_approvals_show_explains_the_effect_for_people(ledger_ids, capsys):
+def test_approvals_show_explains_the_effect_for_people(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "approvals", "show", "op-email")
 
     assert (code, err) == (0, "")
@@ -408,7 +461,10 @@ def test_approvals_show_explains_the_effect_for_people(ledger_ids, capsys):
     assert data["proposal_hash"] == ledger_ids["proposal_hash"]
 
 
-def test_approvals_show_of_an_operation_without_approval_is_an_error(ledger_ids, capsys):
+def test_approvals_show_of_an_operation_without_approval_is_an_error(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(capsys, "approvals", "show", "op-search")
 
     assert (code, out) == (2, "")
@@ -418,7 +474,10 @@ def test_approvals_show_of_an_operation_without_approval_is_an_error(ledger_ids,
     )
 
 
-def test_approve_with_the_wrong_hash_is_refused(ledger_ids, capsys):
+def test_approve_with_the_wrong_hash_is_refused(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(
         capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
         "--proposal-hash", "f" * 64,
@@ -433,7 +492,10 @@ def test_approve_with_the_wrong_hash_is_refused(ledger_ids, capsys):
     assert data["timeline"][-1]["summary"] == "approval by bob refused: proposal_hash_mismatch"
 
 
-def test_the_requester_cannot_approve_their_own_call(ledger_ids, capsys):
+def test_the_requester_cannot_approve_their_own_call(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, _, err = _run(
         capsys, "approvals", "approve", "op-email", "--as", "alice", "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
@@ -443,7 +505,10 @@ def test_the_requester_cannot_approve_their_own_call(ledger_ids, capsys):
     assert "APPROVAL_REFUSED: approval refused: requester_cannot_approve" in err
 
 
-def test_approve_with_the_right_hash_by_another_user_makes_it_ready(ledger_ids, capsys):
+def test_approve_with_the_right_hash_by_another_user_makes_it_ready(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(
         capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
         "--role", "auditor", "--proposal-hash", ledger_ids["proposal_hash"],
@@ -460,7 +525,10 @@ def test_approve_with_the_right_hash_by_another_user_makes_it_ready(ledger_ids, 
     assert _json(capsys, "approvals", "list") == []
 
 
-def test_approve_json_reports_the_new_state(ledger_ids, capsys):
+def test_approve_json_reports_the_new_state(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     data = _json(
         capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
@@ -472,7 +540,10 @@ def test_approve_json_reports_the_new_state(ledger_ids, capsys):
     }
 
 
-def test_deny_stops_the_operation(ledger_ids, capsys):
+def test_deny_stops_the_operation(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(
         capsys, "approvals", "deny", "op-email", "--as", "bob", "--reason", "wrong customer"
     )
@@ -493,7 +564,10 @@ def test_deny_stops_the_operation(ledger_ids, capsys):
                           " that is approval_denied")
 
 
-def test_approve_of_an_unknown_operation_exits_2(ledger_ids, capsys):
+def test_approve_of_an_unknown_operation_exits_2(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = _run(
         capsys, "approvals", "approve", "op-nope", "--as", "bob", "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
@@ -506,8 +580,9 @@ def test_approve_of_an_unknown_operation_exits_2(ledger_ids, capsys):
 # ---------------------------------------------------------------------------- settings
 
 
-def test_a_database_of_unknown_scheme_is_one_line_without_the_password(home, monkeypatch,
-                                                                        capsys):
+def test_a_database_of_unknown_scheme_is_one_line_without_the_password(
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("OPLEDGER_DATABASE", "mysql://ledger:s3cret@db.internal/ledger")
 
     code, out, err = _run(capsys, "ops", "list")
@@ -520,7 +595,11 @@ def test_a_database_of_unknown_scheme_is_one_line_without_the_password(home, mon
     assert "s3cret" not in err
 
 
-def test_a_missing_contracts_dir_is_one_line(home, monkeypatch, capsys):
+def test_a_missing_contracts_dir_is_one_line(
+    home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("OPLEDGER_CONTRACTS_DIR", str(home / "missing"))
 
     code, out, err = _run(capsys, "--json", "audit", "verify")
@@ -533,7 +612,10 @@ def test_a_missing_contracts_dir_is_one_line(home, monkeypatch, capsys):
     )
 
 
-def test_settings_come_from_the_toml_file_in_home(home, capsys):
+def test_settings_come_from_the_toml_file_in_home(
+    home: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     (home / "opledger.toml").write_text(f'database = "{home / "from-toml.db"}"\n')
     build_ledger(StorageConfig.sqlite(home / "from-toml.db")).close()
 
@@ -543,7 +625,10 @@ def test_settings_come_from_the_toml_file_in_home(home, capsys):
     assert not (home / "ledger.db").exists()
 
 
-def test_an_unknown_key_in_the_toml_file_is_one_line(home, capsys):
+def test_an_unknown_key_in_the_toml_file_is_one_line(
+    home: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     (home / "opledger.toml").write_text('databse = "x.db"\n')
 
     code, _, err = _run(capsys, "ops", "list")

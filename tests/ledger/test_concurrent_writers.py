@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import cast
 
-from ledger import Ledger, OperationConflict, StorageConfig
+from ledger import Ledger, OperationConflict, StorageConfig, Submission
 from schemas import LeaseDecision
 from tests.ledger.helpers import ALICE, make_ledger, registry_with_limit, search
 
@@ -44,7 +45,10 @@ def test_two_instances_one_winner_per_operation(postgres_storage: StorageConfig)
     first = make_ledger(postgres_storage, registry=unlimited)
     second = make_ledger(postgres_storage, registry=unlimited)
     operation_ids = [f"op-{n}" for n in range(40)]
-    submitted = first.submit_many([(search(operation_id), ALICE) for operation_id in operation_ids])
+    submitted = cast(
+        "list[Submission]",
+        first.submit_many([(search(operation_id), ALICE) for operation_id in operation_ids]),
+    )
     assert {s.state.value for s in submitted} == {"ready"}
     outcomes = _race([first, second], operation_ids)
     wins = outcomes["won:instance-0"] + outcomes["won:instance-1"]

@@ -303,5 +303,7 @@ def test_text_postgresql_cannot_store_never_stops_the_view(ledger: Ledger) -> No
     assert ledger.submit(search("nul"), nul).state is S.READY
     assert ledger.submit(search("after-nul"), ALICE).state is S.READY
     ledger.refresh()
-    assert ledger.projector.row("nul").actor == "a\ufffdb"
+    row = ledger.projector.row("nul")
+    assert row is not None
+    assert row.actor == "a\ufffdb"
     assert ledger.projector.row("after-nul") is not None

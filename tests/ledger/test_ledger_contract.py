@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import orjson
 import pytest
@@ -18,6 +19,7 @@ from ledger import (
     OperationState,
     ResultDisposition,
     StorageConfig,
+    Submission,
 )
 from schemas import DecisionOutcome, LeaseDecision, ToolProposal
 from tests.ledger.helpers import (
@@ -79,7 +81,9 @@ def test_a_conflict_in_a_batch_refuses_that_item_alone(ledger: Ledger) -> None:
         [(search("op-2"), ALICE), (search("op-1", query="other"), ALICE), (search("op-3"), ALICE)]
     )
     assert isinstance(answers[1], OperationConflict)
-    assert [a.state for a in answers if not isinstance(a, OperationConflict)] == [S.READY] * 2
+    assert [
+        cast(Submission, a).state for a in answers if not isinstance(a, OperationConflict)
+    ] == [S.READY] * 2
     assert len(ledger.history("op-1")) == 3  # the conflicting call appended nothing
     assert ledger.get("op-2").state is ledger.get("op-3").state is S.READY
 
@@ -286,7 +290,8 @@ def test_budget_is_counted_from_the_ledger_across_restarts(storage: StorageConfi
 
 def test_budget_holds_within_one_batch(storage: StorageConfig) -> None:
     ledger = make_ledger(storage, registry=registry_with_limit(3))
-    states = [s.state for s in ledger.submit_many([(search(), ALICE) for _ in range(5)])]
+    submitted = cast("list[Submission]", ledger.submit_many([(search(), ALICE) for _ in range(5)]))
+    states = [s.state for s in submitted]
     assert states == [S.READY] * 3 + [S.REJECTED] * 2
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from datetime import timedelta
+from typing import Any, cast
 
 import pytest
 
 from ledger import IllegalTransition, Operation, OperationState, ResultDisposition, TamperDetected
+from ledger.domain.events import LedgerEvent
 from tests.ledger.test_state_machine import T0, _awaiting, _executing, _ready
 
 S = OperationState
@@ -37,10 +39,12 @@ def _two_person() -> Operation:
         ({"approval_id": "apr-forged"}, "unknown_approval"),
     ],
 )
-def test_refused_approvals_are_recorded_and_change_nothing(kwargs: dict, reason: str) -> None:
+def test_refused_approvals_are_recorded_and_change_nothing(
+    kwargs: dict[str, Any], reason: str
+) -> None:
     op = _awaiting()
     op.collect_events()
-    arguments = {
+    arguments: dict[str, Any] = {
         "approval_id": "apr-1",
         "approver": "bob",
         "approver_roles": APPROVER,
@@ -90,13 +94,15 @@ def test_a_consumed_approval_cannot_be_used_again() -> None:
 
 def test_two_person_policy_needs_two_distinct_approvers() -> None:
     op = _two_person()
-    grant = {"approval_id": "apr-1", "approver_roles": APPROVER, "proposal_hash": "h", "now": T0}
+    grant: dict[str, Any] = {
+        "approval_id": "apr-1", "approver_roles": APPROVER, "proposal_hash": "h", "now": T0
+    }
     assert op.grant_approval(approver="bob", **grant) is None
     assert op.state is S.AWAITING_APPROVAL
     assert op.grant_approval(approver="bob", **grant) == "duplicate_approver"
     assert op.state is S.AWAITING_APPROVAL
     assert op.grant_approval(approver="carol", **grant) is None
-    assert op.state is S.READY
+    assert cast(S, op.state) is S.READY
     assert op.approvers == ["bob", "carol"]
 
 
@@ -204,7 +210,7 @@ def test_cancel_while_running_then_success_is_too_late() -> None:
     op.collect_events()
     op.record_result(fencing_token=1, executor="e", outcome="succeeded", output_hash="o", now=T0)
     assert _types(op) == ["CancelTooLate", "Succeeded"]
-    assert op.state is S.SUCCEEDED
+    assert cast(S, op.state) is S.SUCCEEDED
 
 
 def test_cancel_before_running_is_immediate() -> None:
@@ -226,18 +232,18 @@ def test_lease_cannot_expire_early() -> None:
 
 def test_events_chain_by_hash_and_replay_detects_a_broken_link() -> None:
     op = _executing()
-    events = op.collect_events()
-    assert events[0].prev_hash == "0" * 64  # type: ignore[attr-defined]
+    events = cast("list[LedgerEvent]", op.collect_events())
+    assert events[0].prev_hash == "0" * 64
     for before, after in itertools.pairwise(events):
         from ledger.domain.events import event_hash
 
-        assert after.prev_hash == event_hash(before)  # type: ignore[attr-defined]
+        assert after.prev_hash == event_hash(before)
     rebuilt = None
     for event in events:
         rebuilt = event.mutate(rebuilt)
     assert rebuilt is not None
     assert rebuilt.head_hash == op.head_hash
-    forged = events[2].model_copy(update={"prev_hash": "f" * 64})  # type: ignore[attr-defined]
+    forged = events[2].model_copy(update={"prev_hash": "f" * 64})
     rebuilt = None
     with pytest.raises(TamperDetected):
         for event in [*events[:2], forged]:
@@ -258,4 +264,4 @@ def test_an_inconclusive_reconciliation_is_recorded_and_leaves_the_outcome_unkno
     op.start_reconciliation(by="operator", now=T0 + timedelta(seconds=60))
     op.reconcile(outcome="failed", by="operator", code="NOT_APPLIED", category="TRANSIENT",
                  retryable=True, now=T0 + timedelta(seconds=61))
-    assert op.state is S.FAILED
+    assert cast(S, op.state) is S.FAILED

@@ -4,7 +4,7 @@ repairs it, and `ops list` is current without writing. SQLite and PostgreSQL."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -43,7 +43,7 @@ def _view(ledger: Ledger) -> list[tuple[Any, ...]]:
 
 
 def _state_of(rows: list[dict[str, Any]], operation_id: str) -> str:
-    return next(row["state"] for row in rows if row["operation_id"] == operation_id)
+    return cast(str, next(row["state"] for row in rows if row["operation_id"] == operation_id))
 
 
 def test_a_view_only_edit_is_named_by_verify_and_repaired_by_rebuild(

@@ -314,9 +314,10 @@ def _approved_variant(state: OperationState) -> Callable[[], Operation]:
                 now=T0,
             ),
             S.OUTCOME_UNKNOWN: lambda o: o.expire_lease(LATER),
+            # Two steps in one lambda: a tuple of their (None) results.
             S.RECONCILING: lambda o: (
-                o.expire_lease(LATER),
-                o.start_reconciliation(by="ops", now=LATER),
+                o.expire_lease(LATER),  # type: ignore[func-returns-value]
+                o.start_reconciliation(by="ops", now=LATER),  # type: ignore[func-returns-value]
             ),
         }
         follow[state](op)

@@ -306,10 +306,10 @@ def test_an_untampered_ledger_has_no_findings_in_any_chunking() -> None:
 def test_findings_at_one_position_come_in_the_order_one_pass_finds_them() -> None:
     rows, seal = _ledger(random.Random(3))
     position = seal[4][0]
-    forged = list(seal[4])
+    forged: list[Any] = list(seal[4])
     forged[3] = "e" * 64  # the sealed hash: the event no longer matches, nor the digest
     seal[4] = tuple(forged)
-    row = list(rows[4])
+    row: list[Any] = list(rows[4])
     row[2] += 5  # and the row claims another version
     rows[4] = tuple(row)
     expected = [K.MISLABELED, K.VERSION_GAP, K.MODIFIED, K.MODIFIED]

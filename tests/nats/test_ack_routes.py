@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import nats
 import nats.errors
@@ -367,7 +368,7 @@ async def _settled(
     """
     deadline = asyncio.get_running_loop().time() + SETTLE_S
     while True:
-        info = await ledger.js.consumer_info(consumer.stream, consumer.name)
+        info: ConsumerInfo = await ledger.js.consumer_info(consumer.stream, consumer.name)
         if ready(info) or asyncio.get_running_loop().time() > deadline:
             return info
         await asyncio.sleep(0.005)
@@ -429,9 +430,12 @@ async def attack(conns: Connections, row: Row, env_form: str) -> Observation:
             await asyncio.sleep(QUIET_S)
         # Whatever the attack did, pending plus ack-pending add up to what is not
         # acked: a steal moves one from the first to the second.
+        assert before.num_pending is not None and before.num_ack_pending is not None
         total = before.num_pending + before.num_ack_pending + len(sent) - 3
         after = await _settled(
-            ledger, target, lambda i: i.num_pending + i.num_ack_pending == total
+            ledger,
+            target,
+            lambda i: cast(int, i.num_pending) + cast(int, i.num_ack_pending) == total,
         )
         answers: list[Msg] = []
         while True:
@@ -491,7 +495,7 @@ def ack_form(reply: str) -> tuple[Consumer | None, str]:
     `_` as domain and our `account_hash(LEDGER)` as account token.
     """
     tokens = reply.split(".")
-    consumers = [c for c in CONSUMERS if c.receives(reply)]
+    consumers: list[Consumer | None] = [c for c in CONSUMERS if c.receives(reply)]
     numeric = all(t.isdigit() for t in tokens[-5:])
     if len(tokens) == 9 and numeric:
         return (consumers or [None])[0], "v1"

@@ -15,6 +15,7 @@ import os
 import socket
 import urllib.request
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -61,6 +62,8 @@ def _jetstream_answers(stack: EmbeddedStack) -> bool:
     assert stack.server is not None and stack.credentials is not None
 
     async def ask() -> bool:
+        # Narrowed again: the assertion above does not reach into this function.
+        assert stack.server is not None and stack.credentials is not None
         nc = await connect_as(stack.server.url, stack.credentials.ledger, allow_reconnect=False)
         try:
             return (await nc.jetstream(timeout=2).account_info()) is not None
@@ -112,7 +115,7 @@ def test_the_monitor_opt_in_listens_on_loopback_only(tmp_path: Path) -> None:
         others = {
             info[4][0]
             for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
-            if not info[4][0].startswith("127.")
+            if not cast(str, info[4][0]).startswith("127.")
         }
         for address in others:
             with socket.socket() as probe:

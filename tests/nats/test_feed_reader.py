@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -119,7 +119,10 @@ async def test_reads_from_the_first_message_by_default_and_stops_at_the_last_at_
         ):
             stored = await _publish_records(ledger, 3, "bounds")
             last = stored[-1][0]
-            async with aclosing(read_feed(auditor.nc, batch=2, timeout=2)) as feed:
+            reader = cast(
+                "AsyncGenerator[FeedMessage, None]", read_feed(auditor.nc, batch=2, timeout=2)
+            )
+            async with aclosing(reader) as feed:
                 seen = [await anext(feed)]
                 assert seen[0].seq == (await ledger.js.stream_info(FEED_STREAM)).state.first_seq
                 # Stored after the read began: not part of it.

@@ -96,6 +96,7 @@ async def test_an_event_that_cannot_be_published_is_set_aside_and_the_relay_move
         ids = await _feed_ids(js, "ops.feed.search_documents.>")
         assert {f"after-{suffix}:{v}" for v in (1, 2, 3)} <= ids
         work = await js.get_last_msg(WORK_STREAM, Subjects.work("search_documents"))
+        assert work.data is not None
         assert orjson.loads(work.data)["operation_id"] == f"after-{suffix}"
         # Both events of the legacy operation were set aside, and said so.
         rows = ledger.db.query(
@@ -146,12 +147,14 @@ async def test_an_event_larger_than_a_message_goes_out_without_its_body(
         rows = {row[2]: row for row in ledger.stored_rows() if row[1] == f"blob-{suffix}"}
         for kind, version in (("Proposed", 1), ("Validated", 2), ("Readied", 3)):
             msg = await js.get_last_msg(FEED_STREAM, Subjects.feed("store_blob", kind))
+            assert msg.data is not None
             record = orjson.loads(msg.data)
             assert record["version"] == version and len(msg.data) < 65536
             assert record["event_hash"] == stored_event_hash(rows[version][3], rows[version][4])
             assert record.get("event_omitted", False) is (kind != "Readied")
             assert (record["event"] == {}) is (kind != "Readied")
         work = await js.get_last_msg(WORK_STREAM, Subjects.work("store_blob"))
+        assert work.data is not None
         assert orjson.loads(work.data)["operation_id"] == f"blob-{suffix}"
         assert ledger.db.query(f"SELECT COUNT(*) FROM {SET_ASIDE_TABLE}")[0][0] == 0
     finally:
@@ -216,7 +219,9 @@ async def test_rows_that_are_no_events_stop_neither_the_relay_nor_the_view_nor_t
         # The view went past them, and the seal too.
         assert ledger.projector.row(f"after-{suffix}") is not None
         assert ledger.projector.row(f"garbage-{suffix}") is None
-        assert ledger.projector.row(f"known-{suffix}").state == "ready"  # v4 did not project
+        known = ledger.projector.row(f"known-{suffix}")
+        assert known is not None
+        assert known.state == "ready"  # v4 did not project
         ((sealed,),) = ledger.db.query("SELECT MAX(position) FROM opledger_seal_signatures")
         last = max(row[0] for row in ledger.stored_rows())
         assert sealed == last

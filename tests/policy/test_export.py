@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from policy import ContractError, ToolContract
+from policy import ContractError, ToolContract, ToolFormatError
 from policy._export import (
     StrictModeProblem,
     StrictModeReport,
@@ -188,8 +188,9 @@ def test_export_tool_dispatches_to_each_format() -> None:
 
 
 def test_export_tool_refuses_an_unknown_format() -> None:
-    with pytest.raises(ValueError, match="unknown tool format 'gemini'"):
+    with pytest.raises(ToolFormatError, match="unknown tool format 'gemini'") as caught:
         export_tool(_contract(), "gemini")  # type: ignore[arg-type]
+    assert caught.value.code == "UNKNOWN_TOOL_FORMAT"
 
 
 @pytest.mark.parametrize("fmt", ["openai", "anthropic", "mcp"])

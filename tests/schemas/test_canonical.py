@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas import CanonicalizationError, canonical_json, proposal_hash
+from schemas import CanonicalizationError, OpledgerError, canonical_json, proposal_hash
 from schemas._canonical import _orjson_is_canonical
 
 
@@ -18,6 +20,14 @@ def test_canonical_json_sorts_keys_and_normalizes_numbers() -> None:
 def test_canonical_json_refuses_integers_beyond_2_53() -> None:
     with pytest.raises(CanonicalizationError):
         canonical_json({"n": 2**60})
+
+
+def test_canonicalization_error_is_an_opledger_error_and_still_a_value_error() -> None:
+    with pytest.raises(CanonicalizationError) as caught:
+        canonical_json({"n": float("nan")})
+    assert isinstance(caught.value, OpledgerError)
+    assert isinstance(caught.value, ValueError)
+    assert caught.value.code == "NOT_CANONICAL_JSON"
 
 
 def _hash(**overrides: object) -> str:
@@ -66,7 +76,7 @@ _json = st.recursive(
 
 @settings(max_examples=400, deadline=None)
 @given(value=_json)
-def test_fast_path_is_byte_identical_to_rfc8785(value: object) -> None:
+def test_fast_path_is_byte_identical_to_rfc8785(value: Any) -> None:
     assert canonical_json(value) == rfc8785.dumps(value)
 
 
@@ -79,7 +89,7 @@ def test_fast_path_is_byte_identical_to_rfc8785(value: object) -> None:
         {"n": 2**53},
     ],
 )
-def test_values_outside_the_fast_path_take_the_reference(value: object) -> None:
+def test_values_outside_the_fast_path_take_the_reference(value: Any) -> None:
     assert not _orjson_is_canonical(value)
     try:
         expected = rfc8785.dumps(value)
