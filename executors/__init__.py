@@ -14,6 +14,8 @@ Public surface:
   `run_executor_main` (`python -m executors run MODULE:TOOL ...`).
 - `redact` / `RedactionPolicy`: the output scrubbing, usable on its own.
 - `load_secrets`: an executor's secrets from a file and `OPLEDGER_SECRET_*`.
+- Errors (`executors._errors`), each an `OpledgerError`: `ExecutorConfigError`,
+  `SecretsError`, `MissingSecretError` (also a `KeyError`), `LeaseError`.
 """
 
 from executors._api import (
@@ -30,15 +32,14 @@ from executors._api import (
     ToolError,
     tool,
 )
+from executors._errors import ExecutorConfigError, LeaseError, MissingSecretError, SecretsError
 from executors._main import build_connect_options, load_tool, run_executor_main
 from executors._metrics import ExecutorMetrics
 from executors._process import (
-    ExecutorConfigError,
     HeartbeatFn,
     ItemAction,
     ItemDisposition,
     ItemProcessor,
-    LeaseError,
     LeaseFn,
     result_msg_id,
 )
@@ -51,7 +52,7 @@ from executors._redact import (
     redact_text,
 )
 from executors._runner import ExecutorRunner, load_contract
-from executors._secrets import SECRET_ENV_PREFIX, SecretsError, load_secrets
+from executors._secrets import SECRET_ENV_PREFIX, load_secrets
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -67,6 +68,7 @@ __all__ = [
     "ItemProcessor",
     "LeaseError",
     "LeaseFn",
+    "MissingSecretError",
     "PostconditionFn",
     "Precondition",
     "PreconditionVerdict",

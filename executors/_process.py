@@ -46,6 +46,7 @@ from executors._api import (
     ToolContext,
     ToolError,
 )
+from executors._errors import ExecutorConfigError, LeaseError
 from executors._metrics import ExecutorMetrics
 from executors._redact import DEFAULT_POLICY, RedactionPolicy, redact, redact_text
 from policy import DEFAULT_LIMITS, CompiledSchema, ToolContract, json_value_issue
@@ -56,19 +57,16 @@ from schemas import (
     LeaseDecision,
     LeaseReply,
     LeaseRequest,
-    OpledgerError,
     Provenance,
     ResultEnvelope,
     WorkItem,
 )
 
 __all__ = [
-    "ExecutorConfigError",
     "HeartbeatFn",
     "ItemAction",
     "ItemDisposition",
     "ItemProcessor",
-    "LeaseError",
     "LeaseFn",
     "result_msg_id",
 ]
@@ -80,21 +78,6 @@ HeartbeatFn = Callable[[], Awaitable[None]]
 
 _MAX_MESSAGE_CHARS = 500
 _MAX_DETAIL_ISSUES = 5
-
-
-class LeaseError(Exception):
-    """The ledger answered a lease request with an error instead of a lease reply."""
-
-    def __init__(self, error: ErrorInfo) -> None:
-        super().__init__(f"{error.code}: {error.message}")
-        self.error = error
-
-
-class ExecutorConfigError(OpledgerError, ValueError):
-    """The executor cannot start: wrong contract, version or missing secrets."""
-
-    category = ErrorCategory.INVALID_INPUT
-    code = "INVALID_EXECUTOR_CONFIG"
 
 
 class ItemAction(StrEnum):

@@ -29,15 +29,9 @@ from prometheus_client import start_http_server
 from pydantic import ValidationError
 
 from executors._api import Tool
+from executors._errors import ExecutorConfigError, LeaseError
 from executors._metrics import ExecutorMetrics
-from executors._process import (
-    ExecutorConfigError,
-    ItemAction,
-    ItemDisposition,
-    ItemProcessor,
-    LeaseError,
-    result_msg_id,
-)
+from executors._process import ItemAction, ItemDisposition, ItemProcessor, result_msg_id
 from executors._redact import DEFAULT_POLICY, RedactionPolicy
 from policy import ContractRegistry, ToolContract
 from schemas import (
