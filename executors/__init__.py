@@ -10,7 +10,8 @@ Public surface:
 
 - Writing a tool: `tool` / `Tool`, `ToolContext`, `ToolError`, `Precondition`,
   `Reconciliation` and their verdict enums.
-- Running one: `ExecutorRunner` (NATS), `ItemProcessor` (the NATS-free core),
+- Running one: `ExecutorRunner` (NATS) with its `RunnerOptions`, `ItemProcessor`
+  (the NATS-free core) with its `ProcessorOptions`,
   `run_executor_main` (`python -m executors run MODULE:TOOL ...`).
 - `redact` / `RedactionPolicy`: the output scrubbing, usable on its own.
 - `load_secrets`: an executor's secrets from a file and `OPLEDGER_SECRET_*`.
@@ -41,6 +42,7 @@ from executors._process import (
     ItemDisposition,
     ItemProcessor,
     LeaseFn,
+    ProcessorOptions,
     result_msg_id,
 )
 from executors._redact import (
@@ -51,7 +53,7 @@ from executors._redact import (
     redact,
     redact_text,
 )
-from executors._runner import ExecutorRunner, load_contract
+from executors._runner import ExecutorRunner, RunnerOptions, load_contract
 from executors._secrets import SECRET_ENV_PREFIX, load_secrets
 
 __all__ = [
@@ -72,12 +74,14 @@ __all__ = [
     "PostconditionFn",
     "Precondition",
     "PreconditionVerdict",
+    "ProcessorOptions",
     "ReconcileFn",
     "ReconcileStatus",
     "Reconciliation",
     "Redacted",
     "RedactionPolicy",
     "RunFn",
+    "RunnerOptions",
     "SecretsError",
     "Tool",
     "ToolContext",

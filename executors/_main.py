@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from executors._api import Tool
-from executors._runner import ExecutorRunner, load_contract
+from executors._process import ProcessorOptions
+from executors._runner import ExecutorRunner, RunnerOptions, load_contract
 from executors._secrets import load_secrets
 from schemas import OpledgerError, inbox_prefix
 
@@ -169,19 +170,18 @@ def run_executor_main(argv: Sequence[str] | None = None) -> int:
         name = args.name or _default_name(tool.name)
         if args.creds is None:
             _log.warning("no --creds: connecting without credentials (development only)")
-        runner = ExecutorRunner(
-            tool,
-            contract,
+        options = RunnerOptions(
+            ProcessorOptions(
+                executor=name, secrets=secrets, heartbeat_interval_s=args.progress_every
+            ),
             connect_options=build_connect_options(
                 nats_url=args.nats_url, tool_name=tool.name, executor=name, creds=args.creds
             ),
-            executor=name,
             batch_size=args.batch,
-            heartbeat_interval_s=args.progress_every,
-            secrets=secrets,
             metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
         )
+        runner = ExecutorRunner(tool, contract, options)
     except (OpledgerError, ValueError, ImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
