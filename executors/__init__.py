@@ -12,7 +12,8 @@ Public surface:
   `Reconciliation` and their verdict enums.
 - Running one: `ExecutorRunner` (NATS) with its `RunnerOptions`, `ItemProcessor`
   (the NATS-free core) with its `ProcessorOptions`,
-  `run_executor_main` (`python -m executors run MODULE:TOOL ...`).
+  `run_executor_main` (`python -m executors run MODULE:TOOL ...`), and for the
+  `opledger executor run` command `add_run_arguments` and `run_executor`.
 - `redact` / `RedactionPolicy`: the output scrubbing, usable on its own.
 - `load_secrets`: an executor's secrets from a file and `OPLEDGER_SECRET_*`.
 - Errors (`executors._errors`), each an `OpledgerError`: `ExecutorConfigError`,
@@ -34,7 +35,13 @@ from executors._api import (
     tool,
 )
 from executors._errors import ExecutorConfigError, LeaseError, MissingSecretError, SecretsError
-from executors._main import build_connect_options, load_tool, run_executor_main
+from executors._main import (
+    add_run_arguments,
+    build_connect_options,
+    load_tool,
+    run_executor,
+    run_executor_main,
+)
 from executors._metrics import ExecutorMetrics
 from executors._process import (
     HeartbeatFn,
@@ -86,6 +93,7 @@ __all__ = [
     "Tool",
     "ToolContext",
     "ToolError",
+    "add_run_arguments",
     "build_connect_options",
     "load_contract",
     "load_secrets",
@@ -93,6 +101,7 @@ __all__ = [
     "redact",
     "redact_text",
     "result_msg_id",
+    "run_executor",
     "run_executor_main",
     "tool",
 ]
