@@ -10,10 +10,14 @@ Public surface:
 
 - Writing a tool: `tool` / `Tool`, `ToolContext`, `ToolError`, `Precondition`,
   `Reconciliation` and their verdict enums.
-- Running one: `ExecutorRunner` (NATS), `ItemProcessor` (the NATS-free core),
-  `run_executor_main` (`python -m executors run MODULE:TOOL ...`).
+- Running one: `ExecutorRunner` (NATS) with its `RunnerOptions`, `ItemProcessor`
+  (the NATS-free core) with its `ProcessorOptions`,
+  `run_executor_main` (`python -m executors run MODULE:TOOL ...`), and for the
+  `opledger executor run` command `add_run_arguments` and `run_executor`.
 - `redact` / `RedactionPolicy`: the output scrubbing, usable on its own.
 - `load_secrets`: an executor's secrets from a file and `OPLEDGER_SECRET_*`.
+- Errors (`executors._errors`), each an `OpledgerError`: `ExecutorConfigError`,
+  `SecretsError`, `MissingSecretError` (also a `KeyError`), `LeaseError`.
 """
 
 from executors._api import (
@@ -30,16 +34,22 @@ from executors._api import (
     ToolError,
     tool,
 )
-from executors._main import build_connect_options, load_tool, run_executor_main
+from executors._errors import ExecutorConfigError, LeaseError, MissingSecretError, SecretsError
+from executors._main import (
+    add_run_arguments,
+    build_connect_options,
+    load_tool,
+    run_executor,
+    run_executor_main,
+)
 from executors._metrics import ExecutorMetrics
 from executors._process import (
-    ExecutorConfigError,
     HeartbeatFn,
     ItemAction,
     ItemDisposition,
     ItemProcessor,
-    LeaseError,
     LeaseFn,
+    ProcessorOptions,
     result_msg_id,
 )
 from executors._redact import (
@@ -50,8 +60,8 @@ from executors._redact import (
     redact,
     redact_text,
 )
-from executors._runner import ExecutorRunner, load_contract
-from executors._secrets import SECRET_ENV_PREFIX, SecretsError, load_secrets
+from executors._runner import ExecutorRunner, RunnerOptions, load_contract
+from executors._secrets import SECRET_ENV_PREFIX, load_secrets
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -67,19 +77,23 @@ __all__ = [
     "ItemProcessor",
     "LeaseError",
     "LeaseFn",
+    "MissingSecretError",
     "PostconditionFn",
     "Precondition",
     "PreconditionVerdict",
+    "ProcessorOptions",
     "ReconcileFn",
     "ReconcileStatus",
     "Reconciliation",
     "Redacted",
     "RedactionPolicy",
     "RunFn",
+    "RunnerOptions",
     "SecretsError",
     "Tool",
     "ToolContext",
     "ToolError",
+    "add_run_arguments",
     "build_connect_options",
     "load_contract",
     "load_secrets",
@@ -87,6 +101,7 @@ __all__ = [
     "redact",
     "redact_text",
     "result_msg_id",
+    "run_executor",
     "run_executor_main",
     "tool",
 ]

@@ -1,4 +1,5 @@
-"""`python -m executors run MODULE:TOOL ...`: see `executors._main`."""
+"""`python -m executors run MODULE:TOOL ...`: `opledger executor run` without the settings
+(see `executors._main`)."""
 
 import sys
 

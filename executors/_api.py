@@ -35,6 +35,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, TypeAlias, TypeVar
 
+from executors._errors import MissingSecretError
 from schemas import ErrorCategory, OpledgerError
 
 __all__ = [
@@ -194,11 +195,11 @@ class ToolContext:
         return (self.deadline - (now or datetime.now(UTC))).total_seconds()
 
     def secret(self, name: str) -> str:
-        """One secret by name; `KeyError` names only the missing key, never a value."""
+        """One secret by name; `MissingSecretError` (a `KeyError`) names only the key."""
         try:
             return self.secrets[name.lower()]
         except KeyError:
-            raise KeyError(f"secret {name.lower()!r} is not configured") from None
+            raise MissingSecretError(f"secret {name.lower()!r} is not configured") from None
 
 
 RunFn: TypeAlias = Callable[

@@ -1,12 +1,18 @@
-"""`python -m executors run MODULE:TOOL ...`: one executor process, until SIGTERM or SIGINT.
+"""`opledger executor run MODULE:TOOL ...`: one executor process, until SIGTERM or SIGINT.
 
-    python -m executors run executors.samples.email:send_customer_email \\
+    opledger executor run executors.samples.email:send_customer_email \\
         --creds exec_send_customer_email.nk --nats-url nats://127.0.0.1:4222 \\
         --contracts policy/catalog --secrets email-secrets.json --metrics-port 9301
 
+`python -m executors run ...` is the same command for a process without the
+ledger installed beside it: there `--nats-url` and `--contracts` are required,
+since the operator settings (`OPLEDGER_*`, `opledger.toml`) belong to the
+`opledger` command (`ledger.entrypoints`), which fills them in.
+
 The first SIGTERM/SIGINT finishes the current item and stops; a second one
 abandons it (it is redelivered and the ledger decides). Exit codes: 0 after
-a stop, 2 for a configuration error (one line on stderr, never a traceback).
+a stop, 2 for a configuration error (one line on stderr, never a traceback),
+64 for a command line that does not parse.
 """
 
 from __future__ import annotations
@@ -23,17 +29,26 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from executors._api import Tool
-from executors._runner import ExecutorRunner, load_contract
+from executors._process import ProcessorOptions
+from executors._runner import ExecutorRunner, RunnerOptions, load_contract
 from executors._secrets import load_secrets
 from schemas import OpledgerError, inbox_prefix
 
-__all__ = ["build_connect_options", "build_parser", "load_tool", "run_executor_main"]
+__all__ = [
+    "add_run_arguments",
+    "build_connect_options",
+    "build_parser",
+    "load_tool",
+    "run_executor",
+    "run_executor_main",
+]
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
+EXIT_USAGE = 64
 
 _log = logging.getLogger("opledger.executor")
 
@@ -81,26 +96,39 @@ def build_connect_options(
     return options
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `python -m executors`."""
-    parser = argparse.ArgumentParser(prog="python -m executors", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run one tool's executor until SIGTERM/SIGINT")
+class _Parser(argparse.ArgumentParser):
+    # The same exit code as `opledger`'s parser (`ledger.entrypoints.parsing`):
+    # the executors do not import the ledger, so the alias repeats these lines.
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """The options of `executor run` but `--nats-url` and `--contracts` (see `build_parser`)."""
     run.add_argument(
         "tool", metavar="MODULE:TOOL", help="e.g. executors.samples.email:send_customer_email"
     )
-    run.add_argument("--creds", type=Path, help="NKey seed file (or JWT .creds) of this executor")
-    run.add_argument("--nats-url", required=True, help="NATS server URL(s), comma-separated")
-    run.add_argument("--contracts", type=Path, required=True, help="contract directory")
-    run.add_argument("--secrets", type=Path, help="JSON file of this executor's secrets")
+    run.add_argument(
+        "--creds",
+        type=Path,
+        help="NKey seed file (or JWT .creds) of this executor (default: none, development only)",
+    )
+    run.add_argument(
+        "--secrets", type=Path, help="JSON file of this executor's secrets (default: none)"
+    )
     run.add_argument("--name", help="executor identity (default: <tool>-<host>-<pid>)")
-    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    run.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port")
+    run.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (default: none)"
+    )
+    run.add_argument(
+        "--metrics-addr", default="0.0.0.0", help="address for --metrics-port (default: 0.0.0.0)"
+    )
     run.add_argument(
         "--batch",
         type=int,
         default=1,
-        help="work items run at once (the tool must allow concurrent calls)",
+        help="work items run at once (the tool must allow concurrent calls) (default: 1)",
     )
     run.add_argument(
         "--progress-every",
@@ -109,9 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "seconds between in-progress acks during long work; keep it well under the"
             " work consumer's ack wait (the service's --ack-wait), or long work is redelivered"
+            " (default: 5.0)"
         ),
     )
-    run.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    run.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (default: INFO)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m executors` (`opledger executor`, without the settings)."""
+    parser = _Parser(prog="opledger executor", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run one tool's executor until SIGTERM/SIGINT")
+    add_run_arguments(run)
+    run.add_argument("--nats-url", required=True, help="NATS server URL(s), comma-separated")
+    run.add_argument("--contracts", type=Path, required=True, help="contract directory")
     return parser
 
 
@@ -155,8 +196,19 @@ async def _serve(runner: ExecutorRunner) -> None:
 
 
 def run_executor_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m executors` (and later `opledger executor run`)."""
-    args = build_parser().parse_args(argv)
+    """`python -m executors run ...`: parse the arguments, then `run_executor`."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help, or a usage error argparse already printed
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
+    return run_executor(args)
+
+
+def run_executor(args: argparse.Namespace) -> int:
+    """Run one executor from parsed `executor run` options (`nats_url` and `contracts` set).
+
+    The exit code: 0 after a stop, 2 when it cannot start (one line on stderr).
+    """
     try:
         logging.basicConfig(
             level=str(args.log_level).upper(),
@@ -169,19 +221,18 @@ def run_executor_main(argv: Sequence[str] | None = None) -> int:
         name = args.name or _default_name(tool.name)
         if args.creds is None:
             _log.warning("no --creds: connecting without credentials (development only)")
-        runner = ExecutorRunner(
-            tool,
-            contract,
+        options = RunnerOptions(
+            ProcessorOptions(
+                executor=name, secrets=secrets, heartbeat_interval_s=args.progress_every
+            ),
             connect_options=build_connect_options(
                 nats_url=args.nats_url, tool_name=tool.name, executor=name, creds=args.creds
             ),
-            executor=name,
             batch_size=args.batch,
-            heartbeat_interval_s=args.progress_every,
-            secrets=secrets,
             metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
         )
+        runner = ExecutorRunner(tool, contract, options)
     except (OpledgerError, ValueError, ImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -46,6 +46,7 @@ from executors._api import (
     ToolContext,
     ToolError,
 )
+from executors._errors import ExecutorConfigError, LeaseError
 from executors._metrics import ExecutorMetrics
 from executors._redact import DEFAULT_POLICY, RedactionPolicy, redact, redact_text
 from policy import DEFAULT_LIMITS, CompiledSchema, ToolContract, json_value_issue
@@ -56,20 +57,18 @@ from schemas import (
     LeaseDecision,
     LeaseReply,
     LeaseRequest,
-    OpledgerError,
     Provenance,
     ResultEnvelope,
     WorkItem,
 )
 
 __all__ = [
-    "ExecutorConfigError",
     "HeartbeatFn",
     "ItemAction",
     "ItemDisposition",
     "ItemProcessor",
-    "LeaseError",
     "LeaseFn",
+    "ProcessorOptions",
     "result_msg_id",
 ]
 
@@ -80,21 +79,6 @@ HeartbeatFn = Callable[[], Awaitable[None]]
 
 _MAX_MESSAGE_CHARS = 500
 _MAX_DETAIL_ISSUES = 5
-
-
-class LeaseError(Exception):
-    """The ledger answered a lease request with an error instead of a lease reply."""
-
-    def __init__(self, error: ErrorInfo) -> None:
-        super().__init__(f"{error.code}: {error.message}")
-        self.error = error
-
-
-class ExecutorConfigError(OpledgerError, ValueError):
-    """The executor cannot start: wrong contract, version or missing secrets."""
-
-    category = ErrorCategory.INVALID_INPUT
-    code = "INVALID_EXECUTOR_CONFIG"
 
 
 class ItemAction(StrEnum):
@@ -203,34 +187,49 @@ class _Attempt:
     """`time.monotonic()` when the lease was granted."""
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessorOptions:
+    """How an `ItemProcessor` works: who it is, what it holds, and its timings.
+
+    Only `executor` has no default: every published result names the process
+    that produced it.
+    """
+
+    executor: str
+    """This executor's identity, recorded in each result's provenance."""
+    secrets: Mapping[str, str] | None = None
+    """This executor's own secrets (names case-insensitive); checked against the tool's needs."""
+    redaction: RedactionPolicy = DEFAULT_POLICY
+    """What is scrubbed from outputs and errors; the secrets' values are always added."""
+    metrics: ExecutorMetrics | None = None
+    """Where counts go; None makes a fresh set (tests and embedded use)."""
+    clock: Callable[[], datetime] = _utcnow
+    """The wall clock for deadlines and timestamps (a fake in tests)."""
+    heartbeat_interval_s: float = 5.0
+    """Seconds between in-progress acks while a tool runs."""
+    retry_delay_s: float = 5.0
+    """Seconds before an item comes back after a problem on this side (no lease answer,
+    a failed lookup)."""
+    busy_delay_bounds_s: tuple[float, float] = (1.0, 30.0)
+    """The wait behind another executor's lease is clamped to these bounds."""
+    give_up_after_deliveries: int = 5
+    """When a failing provider lookup becomes "unknown, reconcile by hand" and a refused
+    lease request is dropped."""
+    max_result_bytes: int = 512 * 1024
+    """The largest result envelope published; a bigger output is a failure instead."""
+    logger: logging.Logger | None = None
+    """Where the processor logs; None: `opledger.executor.<tool>`."""
+
+
 class ItemProcessor:
     """Turns work items into dispositions for one tool at one pinned contract version.
 
-    Knobs: `heartbeat_interval_s` between in-progress acks; `retry_delay_s`
-    before an item comes back after a problem on this side (no lease answer,
-    a failed lookup); `busy_delay_bounds_s` clamps the wait behind another
-    executor's lease; `give_up_after_deliveries` is when a failing provider
-    lookup becomes "unknown, reconcile by hand" and a refused lease request
-    is dropped; `max_result_bytes` bounds a published envelope.
+    Its knobs are a `ProcessorOptions`.
     """
 
-    def __init__(
-        self,
-        tool: Tool,
-        contract: ToolContract,
-        *,
-        executor: str,
-        secrets: Mapping[str, str] | None = None,
-        redaction: RedactionPolicy = DEFAULT_POLICY,
-        metrics: ExecutorMetrics | None = None,
-        clock: Callable[[], datetime] = _utcnow,
-        heartbeat_interval_s: float = 5.0,
-        retry_delay_s: float = 5.0,
-        busy_delay_bounds_s: tuple[float, float] = (1.0, 30.0),
-        give_up_after_deliveries: int = 5,
-        max_result_bytes: int = 512 * 1024,
-        logger: logging.Logger | None = None,
-    ) -> None:
+    def __init__(self, tool: Tool, contract: ToolContract, options: ProcessorOptions) -> None:
+        executor, secrets, redaction = options.executor, options.secrets, options.redaction
+        self.options = options
         if tool.name != contract.name:
             raise ExecutorConfigError(
                 f"tool {tool.name!r} cannot run contract {contract.name!r}", tool=tool.name
@@ -257,14 +256,14 @@ class ItemProcessor:
         self.executor = executor
         # The executor's own secret values are scrubbed from anything it publishes.
         self.redaction = redaction.with_secrets(self.secrets.values())
-        self.metrics = metrics if metrics is not None else ExecutorMetrics()
-        self._clock = clock
-        self._heartbeat_interval = heartbeat_interval_s
-        self._retry_delay = retry_delay_s
-        self._busy_bounds = busy_delay_bounds_s
-        self._give_up_after = give_up_after_deliveries
-        self._max_result_bytes = max_result_bytes
-        self._log = logger or logging.getLogger(f"opledger.executor.{tool.name}")
+        self.metrics = options.metrics if options.metrics is not None else ExecutorMetrics()
+        self._clock = options.clock
+        self._heartbeat_interval = options.heartbeat_interval_s
+        self._retry_delay = options.retry_delay_s
+        self._busy_bounds = options.busy_delay_bounds_s
+        self._give_up_after = options.give_up_after_deliveries
+        self._max_result_bytes = options.max_result_bytes
+        self._log = options.logger or logging.getLogger(f"opledger.executor.{tool.name}")
         self._input = CompiledSchema(contract.input_schema, stage=CheckStage.STRUCTURE)
         self._output = CompiledSchema(contract.output_schema, stage=CheckStage.STRUCTURE)
         self._writes = contract.effect.writes

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,15 @@ from prometheus_client import start_http_server
 from pydantic import ValidationError
 
 from executors._api import Tool
+from executors._errors import ExecutorConfigError, LeaseError
 from executors._metrics import ExecutorMetrics
 from executors._process import (
-    ExecutorConfigError,
     ItemAction,
     ItemDisposition,
     ItemProcessor,
-    LeaseError,
+    ProcessorOptions,
     result_msg_id,
 )
-from executors._redact import DEFAULT_POLICY, RedactionPolicy
 from policy import ContractRegistry, ToolContract
 from schemas import (
     RESULTS_STREAM,
@@ -53,7 +53,7 @@ from schemas import (
     work_consumer,
 )
 
-__all__ = ["ExecutorRunner", "load_contract"]
+__all__ = ["ExecutorRunner", "RunnerOptions", "load_contract"]
 
 ConnectFn = Callable[..., Awaitable[Any]]
 PullFn = Callable[[Any, str, str], PullConsumer]
@@ -91,75 +91,78 @@ def _error_in(data: bytes) -> ErrorInfo | None:
         return None
 
 
-class ExecutorRunner:
-    """Runs one tool's executor until `stop()`.
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """How an `ExecutorRunner` connects, pulls and publishes; `processing` is the rest.
 
-    `connect_options` go to `nats.connect` unchanged (credentials, TLS,
-    servers), except that `inbox_prefix` defaults to the executor's private
-    prefix and `name` to the executor's identity.
+    The processor's options (identity, secrets, redaction, heartbeat and
+    retry timings) are not repeated here: `processing` carries them, and
+    the runner uses its `executor`, `metrics`, `logger` and `retry_delay_s`.
     """
 
-    def __init__(
-        self,
-        tool: Tool,
-        contract: ToolContract,
-        *,
-        connect_options: Mapping[str, Any],
-        executor: str,
-        batch_size: int = 1,
-        secrets: Mapping[str, str] | None = None,
-        metrics_port: int | None = None,
-        metrics_addr: str = "0.0.0.0",
-        metrics: ExecutorMetrics | None = None,
-        redaction: RedactionPolicy = DEFAULT_POLICY,
-        heartbeat_interval_s: float = 5.0,
-        fetch_timeout_s: float = 5.0,
-        lease_timeout_s: float = 5.0,
-        publish_timeout_s: float = 5.0,
-        publish_attempts: int = 3,
-        retry_delay_s: float = 5.0,
-        connect: ConnectFn = nats.connect,
-        pull: PullFn = PullConsumer,
-        logger: logging.Logger | None = None,
-    ) -> None:
-        if batch_size < 1:
+    processing: ProcessorOptions
+    """The item processor's options; its `executor` is also the NATS client's name."""
+    connect_options: Mapping[str, Any] = field(default_factory=dict)
+    """Passed to `nats.connect` (servers, credentials, TLS); `inbox_prefix` defaults to the
+    executor's private prefix and `name` to its identity."""
+    batch_size: int = 1
+    """Work items run at once (the tool must allow concurrent calls); at least 1."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port; None: no metrics server."""
+    metrics_addr: str = "0.0.0.0"
+    """The address the metrics server binds."""
+    fetch_timeout_s: float = 5.0
+    """How long one pull waits for work."""
+    lease_timeout_s: float = 5.0
+    """How long a lease request waits for the ledger's answer."""
+    publish_timeout_s: float = 5.0
+    """How long a result publish waits for its PubAck."""
+    publish_attempts: int = 3
+    """Tries per result publish before the item is nak'ed (at least 1)."""
+    connect: ConnectFn = nats.connect
+    """Opens the NATS connection (a fake in tests)."""
+    pull: PullFn = PullConsumer
+    """Makes the pull consumer (a fake in tests)."""
+
+
+class ExecutorRunner:
+    """Runs one tool's executor until `stop()`; its knobs are a `RunnerOptions`."""
+
+    def __init__(self, tool: Tool, contract: ToolContract, options: RunnerOptions) -> None:
+        if options.batch_size < 1:
             raise ExecutorConfigError("batch_size must be at least 1")
+        processing = options.processing
+        executor = processing.executor
+        self.options = options
         self.tool = tool
         self.contract = contract
         self.executor = executor
-        self.metrics = metrics if metrics is not None else ExecutorMetrics()
-        self._log = logger or logging.getLogger(f"opledger.executor.{contract.name}")
+        self.metrics = processing.metrics if processing.metrics is not None else ExecutorMetrics()
+        self._log = processing.logger or logging.getLogger(f"opledger.executor.{contract.name}")
+        # One metrics set and one logger for the loop and the processor.
         self.processor = ItemProcessor(
-            tool,
-            contract,
-            executor=executor,
-            secrets=secrets,
-            redaction=redaction,
-            metrics=self.metrics,
-            heartbeat_interval_s=heartbeat_interval_s,
-            retry_delay_s=retry_delay_s,
-            logger=self._log,
+            tool, contract, replace(processing, metrics=self.metrics, logger=self._log)
         )
-        options = dict(connect_options)
-        options.setdefault("inbox_prefix", inbox_prefix("exec", contract.name))
-        options.setdefault("name", executor)
+        connect = dict(options.connect_options)
+        connect.setdefault("inbox_prefix", inbox_prefix("exec", contract.name))
+        connect.setdefault("name", executor)
         # An executor outlives server restarts: keep reconnecting, and say so
         # in one line per event rather than the client's default tracebacks.
-        options.setdefault("max_reconnect_attempts", -1)
-        options.setdefault("error_cb", self._on_error)
-        options.setdefault("disconnected_cb", self._on_disconnected)
-        options.setdefault("reconnected_cb", self._on_reconnected)
-        self._options = options
-        self._batch = batch_size
-        self._metrics_port = metrics_port
-        self._metrics_addr = metrics_addr
-        self._fetch_timeout = fetch_timeout_s
-        self._lease_timeout = lease_timeout_s
-        self._publish_timeout = publish_timeout_s
-        self._publish_attempts = max(publish_attempts, 1)
-        self._retry_delay = retry_delay_s
-        self._connect = connect
-        self._pull = pull
+        connect.setdefault("max_reconnect_attempts", -1)
+        connect.setdefault("error_cb", self._on_error)
+        connect.setdefault("disconnected_cb", self._on_disconnected)
+        connect.setdefault("reconnected_cb", self._on_reconnected)
+        self._options = connect
+        self._batch = options.batch_size
+        self._metrics_port = options.metrics_port
+        self._metrics_addr = options.metrics_addr
+        self._fetch_timeout = options.fetch_timeout_s
+        self._lease_timeout = options.lease_timeout_s
+        self._publish_timeout = options.publish_timeout_s
+        self._publish_attempts = max(options.publish_attempts, 1)
+        self._retry_delay = processing.retry_delay_s
+        self._connect = options.connect
+        self._pull = options.pull
         self._consumer: PullConsumer | None = None
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from schemas import ErrorCategory, OpledgerError
+from executors._errors import SecretsError
 
 __all__ = ["SECRET_ENV_PREFIX", "SecretsError", "load_secrets"]
 
@@ -27,13 +27,6 @@ SECRET_ENV_PREFIX = "OPLEDGER_SECRET_"
 """Environment variables with this prefix become secrets of the executor."""
 
 _NAME = re.compile(r"^[a-z0-9_]{1,64}$")
-
-
-class SecretsError(OpledgerError):
-    """The secrets file or variables are unusable (the message never holds a value)."""
-
-    category = ErrorCategory.INVALID_INPUT
-    code = "INVALID_SECRETS"
 
 
 def _name(raw: str, source: str) -> str:

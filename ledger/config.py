@@ -44,6 +44,7 @@ __all__ = [
     "ConfigError",
     "Settings",
     "config_file",
+    "parse_database",
     "seconds_argument",
 ]
 
@@ -172,17 +173,8 @@ class Settings(BaseSettings):
         return self
 
     def storage(self) -> StorageConfig:
-        """The storage backend these settings name."""
-        database = self.database or str(self.home / "ledger.db")
-        scheme = _scheme(database)
-        if scheme in _POSTGRES_SCHEMES:
-            return _postgres(database, self.postgres_schema)
-        if self.postgres_schema:
-            raise ConfigError(
-                "postgres_schema is set but database is not a postgresql:// DSN",
-                setting="postgres_schema",
-            )
-        return StorageConfig.sqlite(_sqlite_path(database, scheme))
+        """The storage backend these settings name (see `parse_database`)."""
+        return parse_database(self.database or str(self.home / "ledger.db"), self.postgres_schema)
 
 
 def config_file(home: Path | str | None) -> Path:
@@ -190,11 +182,32 @@ def config_file(home: Path | str | None) -> Path:
     return Path(home or DEFAULT_HOME) / CONFIG_FILE_NAME
 
 
+def parse_database(database: str, postgres_schema: str = "") -> StorageConfig:
+    """The one reading of a database setting, for every command; `ConfigError` otherwise.
+
+    - a plain path, `sqlite:///abs/path` (absolute) or `sqlite:relative/path`:
+      a SQLite file;
+    - `postgresql://…` or `postgres://…` (the scheme in any case, passed on in lower
+      case): a PostgreSQL DSN, in `postgres_schema` when that is given;
+    - any other scheme, or a `key=value` connection string: refused in one line.
+    """
+    scheme = _scheme(database)
+    if scheme in _POSTGRES_SCHEMES:
+        # libpq accepts the scheme in lower case only: `POSTGRESQL://` is the same DSN.
+        return _postgres(scheme + database[len(scheme) :], postgres_schema)
+    if postgres_schema:
+        raise ConfigError(
+            "postgres_schema is set but database is not a postgresql:// DSN",
+            setting="postgres_schema",
+        )
+    return StorageConfig.sqlite(_sqlite_path(database, scheme))
+
+
 def _scheme(database: str) -> str | None:
     match = _SCHEME.match(database)
     if match:
         return match.group(1).lower()
-    if database.startswith("sqlite:"):
+    if database[: len("sqlite:")].lower() == "sqlite:":
         return "sqlite"
     return None
 
@@ -215,7 +228,9 @@ def _postgres(dsn: str, schema: str) -> StorageConfig:
 
 def _sqlite_path(database: str, scheme: str | None) -> Path:
     if scheme == "sqlite":
-        database = database.removeprefix("sqlite://").removeprefix("sqlite:")
+        # `sqlite:///abs` keeps its third slash (absolute); `sqlite:rel` is relative.
+        rest = database[len("sqlite:") :]
+        database = rest[2:] if rest.startswith("//") else rest
     elif scheme is not None:
         raise ConfigError(
             f"database has the unknown scheme '{scheme}://'; "

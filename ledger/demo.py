@@ -7,7 +7,6 @@ also a smoke test.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -20,12 +19,11 @@ from pathlib import Path
 
 from executors.samples.email import count_send_requests, count_sends
 from ledger.client import AgentHostClient
-from ledger.config import Settings
 from ledger.embedded import DEMO_HOST, EmbeddedStack, StackInfo, running_stack
 from ledger.nats import connect_as, load_credentials
 from schemas import ProposeReply, RuntimeContext, ToolProposal, ledger_operation_id
 
-__all__ = ["run_demo_main"]
+__all__ = ["run_demo", "run_demo_main"]
 
 ALICE = RuntimeContext(
     principal="alice",
@@ -333,11 +331,16 @@ class Demo:
 
 
 def run_demo_main(argv: list[str]) -> int:
-    """`opledger demo [--home DIR]`: run the scenario; 0 only if every step behaved."""
-    parser = argparse.ArgumentParser(prog="opledger demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--home", type=Path, help="state directory (default: ./.opledger)")
-    args = parser.parse_args(argv)
-    home = (args.home or Settings().home).resolve()
+    """`opledger demo ARGS` (the old entry point; the command line is `ledger.entrypoints`)."""
+    from ledger.entrypoints.cli import main
+
+    return main(["demo", *argv])
+
+
+def run_demo(home: Path) -> int:
+    """Run the scenario from `home` (a running stack's, or a fresh one's); 0 only if every
+    step behaved."""
+    home = home.resolve()
     info = running_stack(home)
     stack: EmbeddedStack | None = None
     if info is None:

@@ -41,14 +41,7 @@ STDLIB = frozenset(sys.stdlib_module_names)
 
 DOMAIN_ALLOWED = frozenset({"schemas", "eventsourcing", "pydantic", "orjson", "ledger.domain"})
 
-KNOWN_VIOLATIONS: frozenset[tuple[str, str, int]] = frozenset(
-    {
-        # TEMPORARY (issue 12): the CLI engineer's branch removes this import.
-        # Remove this entry once that branch is merged;
-        # `test_known_violations_still_occur` fails until it is.
-        ("ledger.entrypoints.processes", "executors._main", 4),
-    }
-)
+KNOWN_VIOLATIONS: frozenset[tuple[str, str, int]] = frozenset()
 """(module, imported name, rule) allowed for now, each with the reason it is temporary."""
 
 

@@ -1,5 +1,12 @@
-"""The `opledger` command line: inspect operations, audit the ledger, decide approvals.
+"""The `opledger` command line: run the stack, inspect operations, audit, decide approvals.
 
+    opledger [--home DIR] [--database DB] [--postgres-schema S] [--json] COMMAND ...
+
+    opledger up [--monitor] [--seal-existing]
+    opledger demo
+    opledger serve --nats-url URL [--creds FILE] [--tools T,...] ...
+    opledger executor run MODULE:TOOL [--nats-url URL] [--contracts DIR] ...
+    opledger creds [--out DIR] [--hosts H,...] [--tools T,...]
     opledger ops list [--state S] [--tool T] [--tenant X] [--limit N]
     opledger ops show OP_ID [--as-of VERSION]
     opledger ops rebuild
@@ -12,10 +19,14 @@
     opledger approvals approve OP_ID --as USER --role ROLE --proposal-hash HASH
     opledger approvals deny OP_ID --as USER [--reason TEXT]
 
-Every subcommand takes `--home`, `--database` and `--json`. Each command
-returns an `Output` (data, a renderer for people, an exit code); `main`
-prints the data as JSON or renders it. Exit codes: 0 done, 1 verification
-found faults, 2 an error (printed as one line, never a traceback).
+Every command is a subcommand of one parser, and takes the global options
+(`--home`, `--database`, `--postgres-schema`, `--json`) before or after its
+name; its settings are `parsing.settings_from` those flags, `OPLEDGER_*` and
+`<home>/opledger.toml`. The process commands are in `processes`. Each
+inspection command returns an `Output` (data, a renderer for people, an exit
+code); `main` prints the data as JSON or renders it. Exit codes (see
+`parsing`): 0 done, 1 verification found faults, 2 a refusal or an error
+(printed as one line, never a traceback), 64 a usage error.
 
 No command creates a ledger: a missing path, or a database without
 opledger's tables, is refused (`NO_LEDGER`, exit 2) with nothing written.
@@ -52,9 +63,20 @@ from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding, VerificationReport
 from ledger.bootstrap import open_ledger
 from ledger.config import Settings, seconds_argument
 from ledger.domain.errors import OperationNotFound
+from ledger.domain.event_kinds import EVENT_KINDS
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
-from ledger.entrypoints.processes import PROCESS_COMMANDS, run_process_command
+from ledger.entrypoints.parsing import (
+    EXIT_BROKEN_PIPE,
+    EXIT_FINDINGS,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_USAGE,
+    CommandParser,
+    global_options,
+    settings_from,
+)
+from ledger.entrypoints.processes import add_process_commands
 from ledger.service import Ledger
 from schemas import ErrorCategory, OpledgerError
 
@@ -63,6 +85,8 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_FINDINGS",
     "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_USAGE",
     "CommandError",
     "NoApprovalRequest",
     "Output",
@@ -73,14 +97,8 @@ __all__ = [
     "render_table",
 ]
 
-EXIT_OK = 0
-"""The command did what was asked."""
-EXIT_FINDINGS = 1
-"""`audit verify` found faults."""
-EXIT_ERROR = 2
-"""An error: bad usage, bad settings, unknown operation, refused command."""
-EXIT_BROKEN_PIPE = 141
-"""The reader of stdout went away (128 + SIGPIPE, as a shell reports it)."""
+EXIT_ERROR = EXIT_REFUSED
+"""The old name of `EXIT_REFUSED` (2); usage errors are `EXIT_USAGE` (64) now."""
 
 
 class CommandError(OpledgerError):
@@ -125,36 +143,30 @@ READ, WRITE = "read", "write"
 
 def main(argv: list[str] | None = None) -> int:
     """Run one `opledger` command; returns the exit code."""
-    words = sys.argv[1:] if argv is None else argv
-    if words and words[0] in PROCESS_COMMANDS:
-        return run_process_command(words)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help, or a usage error argparse already printed
-        return stop.code if isinstance(stop.code, int) else EXIT_ERROR
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
     as_json = bool(getattr(args, "json", False))
     try:
-        settings = Settings(**_overrides(args))
+        settings = settings_from(args)
         args.settings = settings
+        run: Callable[[argparse.Namespace, Settings], int] | None = getattr(args, "run", None)
+        if run is not None:  # a process command: it prints what it has to say
+            return run(args, settings)
         with _open_ledger(settings, read_only=args.access == READ) as ledger:
             output = _run(args.command, ledger, args)
         text = render_json(output.data) if as_json else output.render(output.data)
         print(text, file=sys.stderr if output.to_stderr else sys.stdout)
     except OpledgerError as error:
         print(_error_text(error, as_json), file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_REFUSED
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     return output.exit_code
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The global options that were given, as `Settings` arguments."""
-    names = ("home", "database")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 @contextmanager
@@ -211,40 +223,22 @@ def _error_text(error: OpledgerError, as_json: bool) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `opledger` (every level accepts the global options)."""
-    common = _common_options()
-    parser = argparse.ArgumentParser(
+    """The parser of `opledger`: every command, each accepting the global options."""
+    common = global_options()
+    parser = CommandParser(
         prog="opledger",
-        description="Inspect and audit the opledger operation ledger; decide approvals.",
+        description="The opledger operation ledger: run the stack, inspect and audit the"
+        " ledger, decide approvals.",
         parents=[common],
-        epilog="Running processes: opledger up | demo | serve | executor run | creds"
-        " (each with --help).",
+        epilog="Each command has its own --help. Exit codes: 0 done, 1 findings,"
+        " 2 refused or failed, 64 usage error (see docs/operations.md).",
     )
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    add_process_commands(groups, common)
     _add_ops(groups, common)
     _add_audit(groups, common)
     _add_approvals(groups, common)
     return parser
-
-
-def _common_options() -> argparse.ArgumentParser:
-    # SUPPRESS: an option given before the subcommand is not reset by the subcommand's default.
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--home",
-        type=Path,
-        default=argparse.SUPPRESS,
-        help="state directory (default: $OPLEDGER_HOME or .opledger)",
-    )
-    common.add_argument(
-        "--database",
-        default=argparse.SUPPRESS,
-        help="SQLite file or postgresql:// DSN (default: $OPLEDGER_DATABASE or <home>/ledger.db)",
-    )
-    common.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
-    )
-    return common
 
 
 def _group(groups: Any, name: str, help_: str, common: argparse.ArgumentParser) -> Any:
@@ -270,13 +264,19 @@ def _leaf(
 def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
     actions = _group(groups, "ops", "operations in the ledger", common)
     listing = _leaf(actions, "list", "list operations, newest first", common, ops_list)
-    listing.add_argument("--state", choices=[state.value for state in OperationState])
-    listing.add_argument("--tool", help="tool name")
-    listing.add_argument("--tenant")
-    listing.add_argument("--limit", type=_positive, default=100, help="at most N rows (100)")
+    listing.add_argument(
+        "--state",
+        choices=[state.value for state in OperationState],
+        help="only operations in this state (default: any)",
+    )
+    listing.add_argument("--tool", help="only this tool's operations (default: any)")
+    listing.add_argument("--tenant", help="only this tenant's operations (default: any)")
+    listing.add_argument("--limit", type=_positive, default=100, help="at most N rows")
     show = _leaf(actions, "show", "one operation and its event timeline", common, ops_show)
     show.add_argument("operation_id", metavar="OP_ID")
-    show.add_argument("--as-of", type=_positive, metavar="VERSION", help="replay up to VERSION")
+    show.add_argument(
+        "--as-of", type=_positive, metavar="VERSION", help="replay up to VERSION (default: now)"
+    )
     _leaf(
         actions,
         "rebuild",
@@ -311,7 +311,7 @@ def _add_audit(groups: Any, common: argparse.ArgumentParser) -> None:
         "--expect-head",
         metavar="HEAD",
         help="a head kept earlier: the line `audit head` printed, POSITION:DIGEST,"
-        " or the final head digest",
+        " or the final head digest (default: none, no comparison)",
     )
     _public_key_option(verify)
     verify.add_argument(
@@ -319,7 +319,7 @@ def _add_audit(groups: Any, common: argparse.ArgumentParser) -> None:
         type=seconds_argument,
         default=DEFAULT_SEAL_GRACE.total_seconds(),
         metavar="SECONDS",
-        help="how long an event may stay unsealed before it is a finding (60)",
+        help="how long an event may stay unsealed before it is a finding",
     )
     verify.add_argument(
         "--against-feed",
@@ -377,7 +377,9 @@ def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
     )
     deny.add_argument("operation_id", metavar="OP_ID")
     deny.add_argument("--as", dest="user", required=True, metavar="USER", help="who denies")
-    deny.add_argument("--reason", default="", help="why, for the requester and the audit")
+    deny.add_argument(
+        "--reason", default="", help="why, for the requester and the audit (default: none)"
+    )
 
 
 def _positive(text: str) -> int:
@@ -663,64 +665,14 @@ def operation_view(operation: Operation) -> dict[str, Any]:
 def timeline_entry(event: Any) -> dict[str, Any]:
     """One event of the timeline: version, type, time and a one-line summary."""
     kind = type(event).__name__
-    summarize = _SUMMARIES.get(kind)
+    registered = EVENT_KINDS.get(type(event))
+    summarize = registered.summary if registered is not None else None
     return {
         "version": event.originator_version,
         "type": kind,
         "timestamp": event.timestamp,
         "summary": summarize(event) if summarize else "",
     }
-
-
-def _short(digest: str | None) -> str:
-    return digest[:12] if digest else "-"
-
-
-_SUMMARIES: dict[str, Callable[[Any], str]] = {
-    "Proposed": lambda e: f"{e.actor} proposed {e.tool} ({e.tenant}, {e.environment})",
-    "Validated": lambda e: (
-        f"checked against {e.tool_version}: risk {e.risk}, proposal {_short(e.proposal_hash)}"
-    ),
-    "Rejected": lambda e: f"rejected ({e.category}): {', '.join(e.reason_codes) or '-'}",
-    "ApprovalRequested": lambda e: (
-        f"approval {e.approval_id} requested: {e.required_approvals} from "
-        f"{', '.join(e.approver_roles)}, expires {_when(e.expires_at)}"
-    ),
-    "ApprovalGranted": lambda e: f"approved by {e.approver}",
-    "ApprovalRefused": lambda e: f"approval by {e.approver} refused: {e.reason}",
-    "ApprovalDenied": lambda e: f"denied by {e.approver}" + (f": {e.reason}" if e.reason else ""),
-    "ApprovalExpired": lambda e: f"approval {e.approval_id} expired",
-    "Readied": lambda e: (
-        f"ready to run (approved by {', '.join(e.approvers)})" if e.approvers else "ready to run"
-    ),
-    "LeaseClaimed": lambda e: (
-        f"leased to {e.executor}: attempt {e.attempt}, token {e.fencing_token}, "
-        f"until {_when(e.lease_expires_at)}"
-    ),
-    "LeaseExpired": lambda e: f"lease {e.fencing_token} expired; outcome unknown",
-    "Succeeded": lambda e: f"succeeded on attempt {e.attempt}, output {_short(e.output_hash)}",
-    "Failed": lambda e: (
-        f"failed on attempt {e.attempt}: {e.code} ({e.category})"
-        + (", retryable" if e.retryable else "")
-    ),
-    "OutcomeUnknown": lambda e: f"outcome unknown on attempt {e.attempt}: {e.reason or '-'}",
-    "ReconciliationStarted": lambda e: f"reconciliation started by {e.by}",
-    "Reconciled": lambda e: f"reconciled by {e.by}: {e.outcome}",
-    "RetryScheduled": lambda e: (
-        f"retry after attempt {e.after_attempt}, not before {_when(e.not_before)}"
-    ),
-    "StaleResultRecorded": lambda e: (
-        f"stale {e.outcome} from {e.executor} (token {e.fencing_token} < {e.current_token})"
-    ),
-    "ConflictingOutcomeRecorded": lambda e: (
-        f"conflicting {e.outcome} from {e.executor} ignored; the outcome stands"
-    ),
-    "CancelRequested": lambda e: (
-        f"cancel requested by {e.by}" + (f": {e.reason}" if e.reason else "")
-    ),
-    "Cancelled": lambda e: f"cancelled by {e.by}",
-    "CancelTooLate": lambda e: f"cancel by {e.by} came too late: already {e.outcome}",
-}
 
 
 def report_view(report: VerificationReport) -> dict[str, Any]:

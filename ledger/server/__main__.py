@@ -1,4 +1,4 @@
-"""`python -m ledger.server`: the ledger service."""
+"""`python -m ledger.server ARGS`: an alias of `opledger serve ARGS`."""
 
 import sys
 

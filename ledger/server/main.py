@@ -1,9 +1,11 @@
-"""`python -m ledger.server` / `opledger serve`: run the ledger service until a signal.
+"""`opledger serve`: run the ledger service until a signal (`python -m ledger.server` too).
 
-    opledger serve --database .opledger/ledger.db --nats-url nats://127.0.0.1:4333 \\
+    opledger --database .opledger/ledger.db serve --nats-url nats://127.0.0.1:4333 \\
         --creds .opledger/creds/ledger-ledger.nk --tools search_documents,send_customer_email
 
-A configuration error prints one line and exits 2; never a traceback.
+Its settings come from `ledger.entrypoints.parsing.settings_from`, as every
+command's do. A configuration error prints one line and exits 2; never a
+traceback.
 """
 
 from __future__ import annotations
@@ -20,27 +22,24 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ledger.adapters.storage import StorageConfig
 from ledger.audit.seal import SealKey
 from ledger.bootstrap import build_ledger
 from ledger.config import ConfigError, Settings, seconds_argument
+from ledger.entrypoints.parsing import CommandParser, global_options
 from ledger.nats.topology import declare_topology
 from ledger.server.app import LedgerService, ServiceOptions
 from schemas import OpledgerError, inbox_prefix
 
-__all__ = ["build_parser", "run_service_main"]
+__all__ = ["add_serve_arguments", "build_parser", "run_service", "run_service_main"]
 
 _log = logging.getLogger("opledger.service")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ledger service."""
-    parser = argparse.ArgumentParser(prog="opledger serve", description=__doc__.split("\n")[0])
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `opledger serve` (the global ones come from the parent parser)."""
     parser.add_argument(
-        "--database", help="SQLite file, or a postgresql:// DSN (default: OPLEDGER_DATABASE)"
+        "--nats-url", help="the NATS server(s), comma-separated (default: $OPLEDGER_NATS_URL)"
     )
-    parser.add_argument("--postgres-schema", default=None)
-    parser.add_argument("--nats-url", help="default: OPLEDGER_NATS_URL")
     parser.add_argument(
         "--creds",
         type=Path,
@@ -51,17 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--contracts",
         type=Path,
-        help="contract directory (default: OPLEDGER_CONTRACTS_DIR, else samples)",
+        help="contract directory (default: $OPLEDGER_CONTRACTS_DIR, else the samples)",
     )
-    parser.add_argument("--tools", default="", help="comma-separated tools to declare work for")
+    parser.add_argument(
+        "--tools",
+        default="",
+        help="comma-separated tools to declare work for (default: every tool with a contract)",
+    )
     parser.add_argument(
         "--plugins",
         default="policy.catalog:sample_plugins",
         help="module:function returning (resolver, rules)",
     )
     parser.add_argument("--ack-wait", type=float, default=30.0, help="work item ack wait, s")
-    parser.add_argument("--max-deliver", type=int, default=10)
-    parser.add_argument("--lease-grace", type=float, default=5.0, help="seconds")
+    parser.add_argument(
+        "--max-deliver", type=int, default=10, help="deliveries of one work item at most"
+    )
+    parser.add_argument(
+        "--lease-grace", type=float, default=5.0, help="seconds a lease outlives its deadline"
+    )
     parser.add_argument(
         "--redispatch-after",
         type=seconds_argument,
@@ -78,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="PUBLIC_KEY",
         help="a public key (U...) this service sealed with before its key was rotated"
-        " (repeatable): the seal continues from heads it signed",
+        " (repeatable): the seal continues from heads it signed (default: none)",
     )
     parser.add_argument(
         "--seal-existing",
@@ -86,22 +93,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="seal events no signed head covers yet, from the first: once, for a ledger"
         " never sealed (from before signed heads) or after a deliberate reset of the seal",
     )
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here")
-    parser.add_argument("--metrics-addr", default="127.0.0.1")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="JetStream replicas of the streams"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics here (default: no metrics)"
+    )
+    parser.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `opledger serve` alone (`python -m ledger.server` parses the same)."""
+    parser = CommandParser(
+        prog="opledger serve", description=__doc__.split("\n")[0], parents=[global_options()]
+    )
+    add_serve_arguments(parser)
     return parser
 
 
-def _fill_from_settings(args: argparse.Namespace) -> None:
-    """Flags first; what they leave unset comes from `OPLEDGER_*` and `opledger.toml`."""
-    settings = Settings()
-    args.database = args.database or settings.database
-    if args.postgres_schema is None:
-        args.postgres_schema = settings.postgres_schema
-    args.nats_url = args.nats_url or settings.nats_url
-    if args.contracts is None:
-        args.contracts = settings.contracts_dir
+def _fill_from_settings(args: argparse.Namespace, settings: Settings) -> None:
+    """What the flags leave unset comes from the settings (`OPLEDGER_*`, `opledger.toml`)."""
+    args.nats_url = settings.nats_url
+    args.contracts = settings.contracts_dir
     if args.creds is None and settings.creds_dir is not None:
         seed = Path(settings.creds_dir) / f"ledger-{args.name}.nk"
         args.creds = seed if seed.exists() else None
@@ -116,12 +130,6 @@ def _plugins(spec: str) -> tuple[Any, Any]:
         importlib.import_module(module_name), attribute
     )
     return factory()
-
-
-def _storage(database: str, schema: str) -> StorageConfig:
-    if database.startswith(("postgresql://", "postgres://")):
-        return StorageConfig.postgres(database, schema)
-    return StorageConfig.sqlite(Path(database))
 
 
 def _quiet_gc() -> None:
@@ -150,13 +158,19 @@ async def _serve(service: LedgerService) -> None:
 
 
 def run_service_main(argv: Sequence[str] | None = None) -> int:
-    """Run the ledger service; the process exit code."""
-    args = build_parser().parse_args(argv)
-    try:
-        _fill_from_settings(args)
-    except OpledgerError as exc:
-        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
-        return 2
+    """`python -m ledger.server ARGS`: the same as `opledger serve ARGS`."""
+    from ledger.entrypoints.cli import main
+
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+def run_service(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the ledger service with parsed `opledger serve` options; the exit code.
+
+    A configuration error raises `ConfigError` (the command line prints it);
+    a failure to start prints one line and returns 2.
+    """
+    _fill_from_settings(args, settings)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -168,7 +182,7 @@ def run_service_main(argv: Sequence[str] | None = None) -> int:
         if seal_key is None:
             _log.warning("no --creds: the ledger is not sealed (verification will say so)")
         ledger = build_ledger(
-            _storage(args.database, args.postgres_schema),
+            settings.storage(),
             contracts_dir=args.contracts,
             resolver=resolver,
             rules=rules,

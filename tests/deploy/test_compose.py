@@ -414,8 +414,11 @@ def test_ledger_service_connects_to_every_listed_server(
     )
     monkeypatch.setattr(ledger_main, "_serve", connect_only)
     monkeypatch.setattr(nats, "connect", fake_connect)
-    command = SERVICES[LEDGERS[0]]["command"]
-    assert ledger_main.run_service_main(command[3:]) != 0
+    argv = list(SERVICES[LEDGERS[0]]["command"][3:])
+    # The settings check the contract directory exists: use the one the image copies in.
+    contracts = argv.index("--contracts") + 1
+    argv[contracts] = str(in_repo(argv[contracts]))
+    assert ledger_main.run_service_main(argv) != 0
     client = nats.aio.client.Client()
     # What nats.connect does with `servers` first: one pool entry per node.
     client._setup_server_pool(captured["servers"])

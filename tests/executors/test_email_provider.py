@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from executors import ItemAction, ItemProcessor
+from executors import ItemAction, ItemProcessor, ProcessorOptions
 from executors.samples.email import (
     CRASH_AFTER_SEND_ENV,
     EMAIL_DB_SECRET,
@@ -137,7 +137,7 @@ def test_concurrent_sends_under_one_key_deliver_once(tmp_path: Path) -> None:
 _CRASHING_EXECUTOR = textwrap.dedent(
     """
     import asyncio, sys
-    from executors import ItemProcessor
+    from executors import ItemProcessor, ProcessorOptions
     from executors.samples.email import send_customer_email
     from schemas import LeaseDecision
     from tests.executors.helpers import FakeLedger, contract, process, reply, work_item
@@ -146,7 +146,7 @@ _CRASHING_EXECUTOR = textwrap.dedent(
     arguments = {"recipient_ids": ["cus-0001"], "template": "support_received",
                  "variables": {"ticket_id": "TCK-7"}}
     processor = ItemProcessor(send_customer_email, contract("send_customer_email"),
-                              executor="exec-a", secrets={"email_provider_db": db})
+                              ProcessorOptions("exec-a", secrets={"email_provider_db": db}))
     ledger = FakeLedger(reply(LeaseDecision.EXECUTE, "op-crash", "send_customer_email",
                               arguments=arguments, fencing_token=1, attempt=1))
     process(processor, work_item("op-crash", "send_customer_email"), ledger)
@@ -176,8 +176,7 @@ def test_crash_after_send_then_redelivery_converges_on_one_send(tmp_path: Path) 
     processor = ItemProcessor(
         send_customer_email,
         contract("send_customer_email"),
-        executor="exec-b",
-        secrets={EMAIL_DB_SECRET: str(db)},
+        ProcessorOptions("exec-b", secrets={EMAIL_DB_SECRET: str(db)}),
     )
     arguments = {
         "recipient_ids": ["cus-0001"],

@@ -18,6 +18,7 @@ from executors import (
     ItemProcessor,
     LeaseError,
     Precondition,
+    ProcessorOptions,
     Reconciliation,
     Tool,
     ToolContext,
@@ -84,7 +85,7 @@ def sleeping(name: str, seconds: float, output: dict[str, Any]) -> Tool:
 
 def processor(implementation: Tool, **options: Any) -> ItemProcessor:
     return ItemProcessor(
-        implementation, contract(implementation.name), executor="exec-1", **options
+        implementation, contract(implementation.name), ProcessorOptions("exec-1", **options)
     )
 
 
@@ -780,10 +781,10 @@ def test_unknown_outcomes_are_counted() -> None:
 
 def test_an_executor_runs_only_its_own_tool_and_pinned_version() -> None:
     with pytest.raises(ExecutorConfigError, match="cannot run"):
-        ItemProcessor(returning(READ, READ_OUT), contract(WRITE), executor="e")
+        ItemProcessor(returning(READ, READ_OUT), contract(WRITE), ProcessorOptions("e"))
     pinned = Tool(name=READ, run=lambda a, c: READ_OUT, version="1.0.0")
     with pytest.raises(ExecutorConfigError, match="implements version"):
-        ItemProcessor(pinned, contract(READ), executor="e")
+        ItemProcessor(pinned, contract(READ), ProcessorOptions("e"))
 
 
 def test_the_decorator_builds_a_tool() -> None:
@@ -804,5 +805,5 @@ def test_the_decorator_builds_a_tool() -> None:
     assert search.reconcile is look
     assert search.required_secrets == ("api_key",)
     with pytest.raises(ExecutorConfigError, match="api_key"):
-        ItemProcessor(search, contract(READ), executor="e")
-    assert ItemProcessor(search, contract(READ), executor="e", secrets={"api_key": "k"})
+        ItemProcessor(search, contract(READ), ProcessorOptions("e"))
+    assert ItemProcessor(search, contract(READ), ProcessorOptions("e", secrets={"api_key": "k"}))

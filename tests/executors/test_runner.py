@@ -8,12 +8,20 @@ import asyncio
 import json
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
-from executors import ExecutorConfigError, ExecutorRunner, Tool, ToolContext
+from executors import (
+    ExecutorConfigError,
+    ExecutorRunner,
+    ProcessorOptions,
+    RunnerOptions,
+    Tool,
+    ToolContext,
+)
 from schemas import LeaseDecision, LeaseReply, LeaseRequest, PullConsumer, ResultEnvelope
 from tests.executors.helpers import contract, reply, work_item
 
@@ -152,16 +160,23 @@ def _tool(run: Any = None) -> Tool:
     return Tool(name=TOOL, run=run or default)
 
 
+_PROCESSING = {option.name for option in fields(ProcessorOptions)}
+
+
 def _runner(fake: FakeNats, tool: Tool | None = None, **options: Any) -> ExecutorRunner:
+    # The keywords of either option type may be given; each goes where it belongs.
+    processing = {name: options.pop(name) for name in list(options) if name in _PROCESSING}
     runner = ExecutorRunner(
         tool or _tool(),
         contract(TOOL),
-        connect_options=options.pop("connect_options", {"servers": ["nats://127.0.0.1:4222"]}),
-        executor="exec-7",
-        connect=fake.connect,
-        pull=cast("Callable[[Any, str, str], PullConsumer]", fake.consumer),
-        fetch_timeout_s=0.05,
-        **options,
+        RunnerOptions(
+            ProcessorOptions("exec-7", **processing),
+            connect_options=options.pop("connect_options", {"servers": ["nats://127.0.0.1:4222"]}),
+            connect=fake.connect,
+            pull=cast("Callable[[Any, str, str], PullConsumer]", fake.consumer),
+            fetch_timeout_s=0.05,
+            **options,
+        ),
     )
     fake.runner = runner
     return runner

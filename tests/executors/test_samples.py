@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from executors import ExecutorConfigError, ItemAction, ItemDisposition, ItemProcessor, Tool
+from executors import (
+    ExecutorConfigError,
+    ItemAction,
+    ItemDisposition,
+    ItemProcessor,
+    ProcessorOptions,
+    Tool,
+)
 from executors.samples import SAMPLE_TOOLS, sample_tool
 from executors.samples._world import reset_world, world
 from executors.samples.email import EMAIL_DB_SECRET, count_sends
@@ -53,7 +60,7 @@ def _run(
     decision: LeaseDecision = LeaseDecision.EXECUTE,
 ) -> ItemDisposition:
     processor = ItemProcessor(
-        tool, contract(tool.name), executor="exec-test", secrets=secrets or {}
+        tool, contract(tool.name), ProcessorOptions("exec-test", secrets=secrets or {})
     )
     return process(
         processor,
@@ -411,5 +418,6 @@ def test_a_template_without_its_variables_does_not_render(tmp_path: Path) -> Non
 def test_the_email_executor_refuses_to_start_without_its_provider_secret() -> None:
     with pytest.raises(ExecutorConfigError, match="email_provider_db"):
         ItemProcessor(
-            sample_tool("send_customer_email"), contract("send_customer_email"), executor="e"
+            sample_tool("send_customer_email"), contract("send_customer_email"),
+            ProcessorOptions("e"),
         )

@@ -170,13 +170,13 @@ def test_global_options_work_before_the_subcommand_too(
     assert len(json.loads(out)) == 2
 
 
-def test_a_usage_error_exits_2_without_running(
+def test_a_usage_error_exits_64_without_running(
     ledger_ids: dict[str, str],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = _run(capsys, "ops", "list", "--limit", "0")
 
-    assert (code, out) == (2, "")
+    assert (code, out) == (64, "")
     assert "--limit: must be at least 1, not 0" in err
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from ledger import StorageConfig
 from ledger.config import Settings
+from ledger.entrypoints.parsing import settings_from
 from ledger.server.app import LedgerService, ServiceOptions
 from ledger.server.gateway import LedgerGateway
 from ledger.server.main import run_service_main
@@ -116,5 +117,5 @@ def test_serve_takes_host_tenants_from_the_settings(home: Path) -> None:
 
     _settings_file(home, '[host_tenants]\nh1 = ["acme"]\n')
     args = main.build_parser().parse_args(["--nats-url", "nats://127.0.0.1:1"])
-    main._fill_from_settings(args)
+    main._fill_from_settings(args, settings_from(args))
     assert args.host_tenants == {"h1": frozenset({"acme"})}
