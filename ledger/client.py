@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from typing import Any
 
 import nats
@@ -40,6 +39,7 @@ from schemas import (
     Subjects,
     ToolProposal,
     check_token,
+    new_operation_id,
 )
 
 __all__ = ["AgentHostClient", "LedgerUnavailable", "OutcomeTimeout", "RequestRefused"]
@@ -115,7 +115,7 @@ class AgentHostClient:
         async with self._subscribing:
             if self._outcomes is None:
                 self._outcomes = await self._nc.subscribe(
-                    f"ops.outcome.{self.host}.>", cb=self._on_outcome
+                    Subjects.all_outcomes(self.host), cb=self._on_outcome
                 )
 
     async def _on_outcome(self, message: Msg) -> None:
@@ -166,7 +166,7 @@ class AgentHostClient:
         """
         operation_id = proposal.operation_id
         if operation_id is None:
-            operation_id = f"op-{uuid.uuid4().hex}"
+            operation_id = new_operation_id()
             proposal = proposal.model_copy(update={"operation_id": operation_id})
         envelope = ProposalEnvelope(proposal=proposal, context=context)
         await self._listen()  # before the proposal: its outcome may come at once

@@ -46,6 +46,7 @@ from schemas import (
     PullConsumer,
     ResultEnvelope,
     StatusRequest,
+    Subjects,
     check_token,
     host_operation_id,
 )
@@ -143,9 +144,9 @@ class LedgerService:
         requests = RequestServer(
             nc, queue=self.options.queue_group, limit=self.options.max_requests
         )
-        await requests.serve("ops.propose.*", self._on_propose)
-        await requests.serve("ops.status.*", self._on_status)
-        await requests.serve("ops.lease.*", self._lease)
+        await requests.serve(Subjects.all_proposals(), self._on_propose)
+        await requests.serve(Subjects.all_status_requests(), self._on_status)
+        await requests.serve(Subjects.all_lease_requests(), self._lease)
         self._requests = requests
 
     async def _on_propose(self, body: bytes, host: str) -> bytes:

@@ -43,7 +43,13 @@ from ledger.audit.verify import StoredRow
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.service import FINAL_STATES, Ledger
-from schemas import Subjects, WorkItem, host_operation_id, work_message_id
+from schemas import (
+    Subjects,
+    WorkItem,
+    feed_message_id,
+    host_operation_id,
+    work_message_id,
+)
 
 __all__ = ["SET_ASIDE_TABLE", "Relay"]
 
@@ -394,7 +400,8 @@ class Relay:
             payload = orjson.dumps(record | {"event": {}, "event_omitted": True})
             if len(payload) > limit:
                 raise ValueError(f"even without its body the feed record is {len(payload)} bytes")
-        messages = [_Message(subject, payload, f"{operation_id}:{version}", feed=True, row=row)]
+        feed_id = feed_message_id(operation_id, version)
+        messages = [_Message(subject, payload, feed_id, feed=True, row=row)]
         if kind in _DISPATCH and tool_version:
             state: dict[str, Any] = record["event"]
             attempt = int(state.get("after_attempt", 0)) + 1

@@ -17,7 +17,7 @@ from ledger.nats import Role
 from ledger.server import relay as relay_module
 from ledger.server.gateway import LedgerGateway
 from ledger.server.relay import Relay
-from schemas import FEED_STREAM, WORK_STREAM
+from schemas import FEED_STREAM, WORK_STREAM, feed_message_id, work_message_id
 from tests.ledger.helpers import ALICE, make_ledger, search
 from tests.nats.conftest import NatsEnv
 
@@ -75,7 +75,8 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
         await second.pump()
         assert len(second.published) == 4
         assert sorted(second.published) == sorted(
-            [f"{ids[2]}:{version}" for version in (1, 2, 3)] + [f"{ids[2]}:attempt-1"]
+            [feed_message_id(ids[2], version) for version in (1, 2, 3)]
+            + [work_message_id(ids[2], 1)]
         )  # its three events and the work item of its first attempt
         assert not any(ids[2] in published for published in first.published)
         assert len(set(first.published + second.published)) == 12  # nothing twice

@@ -93,7 +93,7 @@ async def test_an_event_that_cannot_be_published_is_set_aside_and_the_relay_move
         assert await relay.pump() is False
 
         # Everything after the poisoned events went out.
-        ids = await _feed_ids(js, "ops.feed.search_documents.>")
+        ids = await _feed_ids(js, Subjects.all_feed("search_documents"))
         assert {f"after-{suffix}:{v}" for v in (1, 2, 3)} <= ids
         work = await js.get_last_msg(WORK_STREAM, Subjects.work("search_documents"))
         assert orjson.loads(work.data)["operation_id"] == f"after-{suffix}"
@@ -121,7 +121,7 @@ async def test_an_event_that_cannot_be_published_is_set_aside_and_the_relay_move
         assert len(ledger.history(f"legacy-{suffix}")) == 4
         count = ledger.db.query(f"SELECT COUNT(*) FROM {SET_ASIDE_TABLE}")[0][0]
         assert count == 4
-        assert f"later-{suffix}:3" in await _feed_ids(js, "ops.feed.search_documents.>")
+        assert f"later-{suffix}:3" in await _feed_ids(js, Subjects.all_feed("search_documents"))
     finally:
         await nc.close()
         ledger.close()
@@ -206,7 +206,7 @@ async def test_rows_that_are_no_events_stop_neither_the_relay_nor_the_view_nor_t
         assert after.state.value == "ready"  # the budget read the view: it is not stuck
         assert await relay.pump() is False
 
-        ids = await _feed_ids(js, "ops.feed.search_documents.>")
+        ids = await _feed_ids(js, Subjects.all_feed("search_documents"))
         assert {f"after-{suffix}:{v}" for v in (1, 2, 3)} <= ids
         rows = ledger.db.query(
             f"SELECT operation_id, reason FROM {SET_ASIDE_TABLE} ORDER BY position"
