@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from ledger._recent import Recent
 from schemas import (
     ErrorCategory,
+    ErrorEnvelope,
     ErrorInfo,
     OperationStatus,
     OpledgerError,
@@ -183,10 +184,11 @@ class AgentHostClient:
         """Where one of this host's operations stands."""
         request = StatusRequest(operation_id=operation_id).model_dump_json().encode()
         data = await self._request(Subjects.status(self.host), request, attempts)
-        # The answer is a status, or an error reply (shaped like a propose reply).
+        # The answer is a status, or the error envelope (`"ok": false`, no `final`).
+        # A status may carry an `error` of its own: a failed operation's.
         body = orjson.loads(data)
-        if isinstance(body, dict) and body.get("error") is not None:
-            raise RequestRefused(ErrorInfo.model_validate(body["error"]))
+        if isinstance(body, dict) and body.get("ok") is False and "final" not in body:
+            raise RequestRefused(ErrorEnvelope.model_validate(body).error)
         return OperationStatus.model_validate(body)
 
     async def outcome(self, operation_id: str, timeout: float = 30.0) -> OperationStatus:

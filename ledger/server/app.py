@@ -37,9 +37,9 @@ from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
     ErrorCategory,
+    ErrorEnvelope,
     ErrorInfo,
     LeaseRequest,
-    OperationStatus,
     OpledgerError,
     ProposalEnvelope,
     ProposeReply,
@@ -111,6 +111,17 @@ def _reply(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
+def _refused(error: ErrorInfo) -> bytes:
+    """A refused proposal: the propose reply with its error."""
+    return _reply(ProposeReply(error=error))
+
+
+def _failed(error: ErrorInfo, operation_id: str | None = None) -> bytes:
+    """A refused status or lease request: the error envelope (with the operation asked about)."""
+    meta = {} if operation_id is None else {"operation_id": operation_id}
+    return _reply(ErrorEnvelope(error=error, meta=meta))
+
+
 class LedgerService:
     """The ledger on NATS: start, serve, stop."""
 
@@ -144,7 +155,10 @@ class LedgerService:
         requests = RequestServer(
             nc, queue=self.options.queue_group, limit=self.options.max_requests
         )
-        await requests.serve(Subjects.all_proposals(), self._on_propose)
+        # A refused proposal is a propose reply with its `error`; a refused
+        # status or lease request is the common error envelope (see
+        # docs/wire-format.md#errors), told from an answer by its `ok`.
+        await requests.serve(Subjects.all_proposals(), self._on_propose, error_reply=_refused)
         await requests.serve(Subjects.all_status_requests(), self._on_status)
         await requests.serve(Subjects.all_lease_requests(), self._lease)
         self._requests = requests
@@ -153,7 +167,14 @@ class LedgerService:
         return _reply(await self._propose(body, host))
 
     async def _on_status(self, body: bytes, host: str) -> bytes:
-        return _reply(await self._status(body, host))
+        try:
+            request = StatusRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _failed(_invalid(exc))
+        try:
+            return _reply(await self._gateway.status(request.operation_id, host))
+        except OpledgerError as error:
+            return _failed(error.to_info(), request.operation_id)
 
     @property
     def _gateway(self) -> LedgerGateway:
@@ -186,25 +207,15 @@ class LedgerService:
             decision=submission.decision,
         )
 
-    async def _status(self, body: bytes, host: str) -> OperationStatus | ProposeReply:
-        try:
-            request = StatusRequest.model_validate_json(body)
-        except ValidationError as exc:
-            return ProposeReply(error=_invalid(exc))
-        try:
-            return await self._gateway.status(request.operation_id, host)
-        except OpledgerError as error:
-            return ProposeReply(operation_id=request.operation_id, error=error.to_info())
-
     async def _lease(self, body: bytes, tool: str) -> bytes:
         try:
             request = LeaseRequest.model_validate_json(body)
         except ValidationError as exc:
-            return _reply(ProposeReply(error=_invalid(exc)))
+            return _failed(_invalid(exc))
         try:
             reply = await self._gateway.lease(request.operation_id, request.executor, tool)
         except OpledgerError as error:
-            return _reply(ProposeReply(operation_id=request.operation_id, error=error.to_info()))
+            return _failed(error.to_info(), request.operation_id)
         return _reply(reply)
 
     # ------------------------------------------------------------------ results
