@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from faststream import FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.security import NatsNKey
 from nats.aio.client import Client
@@ -30,9 +29,9 @@ from ledger.domain.states import ResultDisposition
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.redispatch import Redispatcher
-from ledger.server.relay import Relay
+from ledger.server.relay import Relay, RelayPorts, RelayPositions
 from ledger.server.requests import RequestServer
-from ledger.service import Ledger
+from ledger.service import FINAL_STATES, Ledger
 from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
@@ -47,11 +46,10 @@ from schemas import (
     ResultEnvelope,
     StatusRequest,
     Subjects,
-    check_token,
     host_operation_id,
 )
 
-__all__ = ["LedgerService", "ServiceOptions"]
+__all__ = ["LedgerService", "ServiceOptions", "build_relay", "relay_ports"]
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +120,41 @@ def _failed(error: ErrorInfo, operation_id: str | None = None) -> bytes:
     return _reply(ErrorEnvelope(error=error, meta=meta))
 
 
+def relay_ports(ledger: Ledger) -> RelayPorts:
+    """The relay's ports on a real ledger: the composition root's one look inside it."""
+    catalog = ledger.checker.catalog
+
+    def sensitive_arguments(tool: str) -> tuple[str, ...]:
+        contract = catalog.get(tool)
+        return contract.sensitive_arguments if contract else ()
+
+    def note_set_aside(operation_id: str, position: int, version: int, reason: str) -> None:
+        ledger.note_publication_set_aside(
+            operation_id, position=position, version=version, reason=reason
+        )
+
+    return RelayPorts(
+        rows_after=ledger.stored_rows_after,
+        refresh=ledger.refresh,
+        routes=ledger.projector.routes,
+        sensitive_arguments=sensitive_arguments,
+        status=lambda operation_id, version, host: ledger.status(
+            operation_id, known_version=version, host=host
+        ),
+        note_set_aside=note_set_aside,
+        final_states=frozenset(state.value for state in FINAL_STATES),
+    )
+
+
+def build_relay(
+    gateway: LedgerGateway, nc: Client, *, relay: Callable[..., Relay] = Relay, **options: Any
+) -> Relay:
+    """A relay over `gateway`'s ledger, publishing on `nc` (`options`: `Relay`'s keywords;
+    `relay`: the class, or a factory taking `Relay`'s arguments)."""
+    ledger = gateway.ledger
+    return relay(gateway, nc, relay_ports(ledger), RelayPositions(ledger.db), **options)
+
+
 class LedgerService:
     """The ledger on NATS: start, serve, stop."""
 
@@ -132,7 +165,6 @@ class LedgerService:
         connect = _broker_options(options.connect_options)
         self._on_reconnected_too = connect.pop("reconnected_cb", None)
         self.broker = NatsBroker(servers, reconnected_cb=self._on_reconnected, **connect)
-        self.app = FastStream(self.broker)
         self.gateway: LedgerGateway | None = None
         self.relay: Relay | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -300,10 +332,12 @@ class LedgerService:
         if self.options.metrics_port is not None:
             metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.metrics = metrics
-        self.relay = Relay(self.gateway, nc, metrics=metrics)
+        self.relay = build_relay(self.gateway, nc, metrics=metrics)
         self.relay.start()
         if self.options.redispatch_after is not None:
-            self._redispatcher = Redispatcher(self.ledger, js, after=self.options.redispatch_after)
+            self._redispatcher = Redispatcher(
+                self.ledger.projector.ready_since_before, js, after=self.options.redispatch_after
+            )
         await self.broker.start()
         await self._serve_requests(nc)
         loop = asyncio.get_running_loop()
@@ -346,8 +380,3 @@ class LedgerService:
             await stop.wait()
         finally:
             await self.stop()
-
-
-def check_host(host: str) -> str:
-    """A host name usable as a subject token."""
-    return check_token(host)
