@@ -5,7 +5,11 @@ dependency machinery, hops to worker threads for its synchronous steps and
 logs two lines. Measured with `bench/e2e_bench.py` on this project's 2-core
 machine, the whole stack reached 223 operations/s with FastStream handlers
 (64 at a time) and 667 with these subscriptions, everything else equal. The
-ledger's own work per operation is what the CPU is for.
+ledger's own work per operation is what the CPU is for. Measured again for
+issue 12 without the ledger (FastStream 0.7.8, a status request parsed and
+answered, 64 in flight, one local nats-server): 8.0-8.4k requests/s through
+a FastStream subscriber with its per-message log lines off (4.3-5.0k with
+them on), 21.9-24.9k through a plain subscription: still about 3 to 1.
 
 Why many at a time: a nats-py subscription calls its callback for one message
 after another. A handler waits for the ledger's next batch, so serving one
