@@ -60,6 +60,7 @@ from schemas import (
     Provenance,
     ResultEnvelope,
     WorkItem,
+    result_message_id,
 )
 
 __all__ = [
@@ -106,21 +107,8 @@ class ItemDisposition:
 
 
 
-def result_msg_id(envelope: ResultEnvelope, nonce: str) -> str:
-    """`<tool>:<operation_id>:<attempt>:<fencing_token>:<nonce>`: one result, deduplicated.
-
-    A republish of the same result after a lost PubAck carries the same ID,
-    so JetStream drops it within its duplicate window; the ledger makes any
-    later duplicate converge by the fencing token. The nonce (random, one
-    per result, kept across its retries) is what makes the ID unguessable:
-    deduplication spans the whole results stream, every tool's subject, so
-    an executor of another tool that published first under a predictable ID
-    would have had this result dropped as its duplicate.
-    """
-    return (
-        f"{envelope.provenance.tool}:{envelope.operation_id}:{envelope.provenance.attempt}"
-        f":{envelope.fencing_token}:{nonce}"
-    )
+result_msg_id = result_message_id
+"""`schemas.result_message_id`, the result's `Nats-Msg-Id` (kept under its old name)."""
 
 
 def _utcnow() -> datetime:

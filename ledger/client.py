@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from typing import Any
 
 import nats
@@ -30,6 +29,7 @@ from pydantic import ValidationError
 from ledger._recent import Recent
 from schemas import (
     ErrorCategory,
+    ErrorEnvelope,
     ErrorInfo,
     OperationStatus,
     OpledgerError,
@@ -40,6 +40,7 @@ from schemas import (
     Subjects,
     ToolProposal,
     check_token,
+    new_operation_id,
 )
 
 __all__ = ["AgentHostClient", "LedgerUnavailable", "OutcomeTimeout", "RequestRefused"]
@@ -115,7 +116,7 @@ class AgentHostClient:
         async with self._subscribing:
             if self._outcomes is None:
                 self._outcomes = await self._nc.subscribe(
-                    f"ops.outcome.{self.host}.>", cb=self._on_outcome
+                    Subjects.all_outcomes(self.host), cb=self._on_outcome
                 )
 
     async def _on_outcome(self, message: Msg) -> None:
@@ -166,7 +167,7 @@ class AgentHostClient:
         """
         operation_id = proposal.operation_id
         if operation_id is None:
-            operation_id = f"op-{uuid.uuid4().hex}"
+            operation_id = new_operation_id()
             proposal = proposal.model_copy(update={"operation_id": operation_id})
         envelope = ProposalEnvelope(proposal=proposal, context=context)
         await self._listen()  # before the proposal: its outcome may come at once
@@ -183,10 +184,11 @@ class AgentHostClient:
         """Where one of this host's operations stands."""
         request = StatusRequest(operation_id=operation_id).model_dump_json().encode()
         data = await self._request(Subjects.status(self.host), request, attempts)
-        # The answer is a status, or an error reply (shaped like a propose reply).
+        # The answer is a status, or the error envelope (`"ok": false`, no `final`).
+        # A status may carry an `error` of its own: a failed operation's.
         body = orjson.loads(data)
-        if isinstance(body, dict) and body.get("error") is not None:
-            raise RequestRefused(ErrorInfo.model_validate(body["error"]))
+        if isinstance(body, dict) and body.get("ok") is False and "final" not in body:
+            raise RequestRefused(ErrorEnvelope.model_validate(body).error)
         return OperationStatus.model_validate(body)
 
     async def outcome(self, operation_id: str, timeout: float = 30.0) -> OperationStatus:

@@ -8,6 +8,11 @@ are restricted to `[A-Za-z0-9_-]`, so no token can contain `.`, `*` or `>`.
 from __future__ import annotations
 
 import re
+import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from schemas._result import ResultEnvelope
 
 __all__ = [
     "FEED_AUDITOR_CONSUMER",
@@ -19,9 +24,12 @@ __all__ = [
     "WORK_STREAM",
     "Subjects",
     "check_token",
+    "feed_message_id",
     "host_operation_id",
     "inbox_prefix",
     "ledger_operation_id",
+    "new_operation_id",
+    "result_message_id",
     "work_consumer",
     "work_message_id",
 ]
@@ -82,13 +90,86 @@ def work_message_id(operation_id: str, attempt: int) -> str:
     return f"{operation_id}:attempt-{attempt}"
 
 
+def feed_message_id(operation_id: str, version: int) -> str:
+    """The `Nats-Msg-Id` of one event on the feed: one feed message per event, deduplicated."""
+    return f"{operation_id}:{version}"
+
+
+def result_message_id(envelope: ResultEnvelope, nonce: str) -> str:
+    """`<tool>:<operation_id>:<attempt>:<fencing_token>:<nonce>`: one result, deduplicated.
+
+    A republish of the same result after a lost PubAck carries the same ID,
+    so JetStream drops it within its duplicate window; the ledger makes any
+    later duplicate converge by the fencing token. The nonce (random, one
+    per result, kept across its retries) is what makes the ID unguessable:
+    deduplication spans the whole results stream, every tool's subject, so
+    an executor of another tool that published first under a predictable ID
+    would have had this result dropped as its duplicate.
+    """
+    return (
+        f"{envelope.provenance.tool}:{envelope.operation_id}:{envelope.provenance.attempt}"
+        f":{envelope.fencing_token}:{nonce}"
+    )
+
+
+def new_operation_id() -> str:
+    """A fresh operation ID, `op-<uuid4>`: what the SDK and the ledger mint when none is given.
+
+    One format for both, so an ID in a log or on the feed reads the same
+    whoever minted it (36 hex digits and dashes, well within a token's 128).
+    """
+    return f"op-{uuid.uuid4()}"
+
+
 def inbox_prefix(role: str, name: str) -> str:
     """A private inbox prefix per identity: nobody subscribes to `_INBOX.>`."""
     return f"_INBOX_{check_token(role)}_{check_token(name)}"
 
 
 class Subjects:
-    """Subject names, built from checked tokens."""
+    """Subject names, built from checked tokens, and the wildcards that cover them.
+
+    The wildcards are written here only: streams, consumers, subscriptions
+    and permissions take them from these methods, so a family of subjects
+    is spelt once.
+    """
+
+    @staticmethod
+    def all_proposals() -> str:
+        """Every host's proposal subject (`ops.propose.*`), served by the ledger."""
+        return "ops.propose.*"
+
+    @staticmethod
+    def all_status_requests() -> str:
+        """Every host's status subject (`ops.status.*`), served by the ledger."""
+        return "ops.status.*"
+
+    @staticmethod
+    def all_lease_requests() -> str:
+        """Every tool's lease subject (`ops.lease.*`), served by the ledger."""
+        return "ops.lease.*"
+
+    @staticmethod
+    def all_work(*, any_depth: bool = False) -> str:
+        """Every tool's work queue: `ops.exec.*` (the work stream's subjects), or
+        `ops.exec.>` with `any_depth` (the ledger's publish grant)."""
+        return "ops.exec.>" if any_depth else "ops.exec.*"
+
+    @staticmethod
+    def all_results() -> str:
+        """Every tool's result subject (`ops.result.*`, the results stream's subjects)."""
+        return "ops.result.*"
+
+    @staticmethod
+    def all_feed(tool: str | None = None) -> str:
+        """Every feed event (`ops.feed.>`), or every one of `tool`'s (`ops.feed.<tool>.>`)."""
+        return "ops.feed.>" if tool is None else f"ops.feed.{check_token(tool)}.>"
+
+    @staticmethod
+    def all_outcomes(host: str | None = None) -> str:
+        """Every outcome notice (`ops.outcome.>`), or every one of `host`'s
+        (`ops.outcome.<host>.>`)."""
+        return "ops.outcome.>" if host is None else f"ops.outcome.{check_token(host)}.>"
 
     @staticmethod
     def propose(host: str) -> str:

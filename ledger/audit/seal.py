@@ -53,6 +53,7 @@ __all__ = [
     "Sealer",
     "SignedHead",
     "TrustedKeys",
+    "digest_rows",
     "head_message",
     "seal_time",
 ]
@@ -87,6 +88,16 @@ SCHEMA = [
         position BIGINT NOT NULL
     )""",
 ]
+
+
+def digest_rows(db: SqlDatabase) -> Sequence[tuple[int, str, int, str, str]]:
+    """The digest chain as stored: (notification ID, operation, version, event hash,
+    running digest), in the global order."""
+    # Both drivers already return these types: no per-row conversion.
+    return db.query(
+        "SELECT notification_id, operation_id, version, event_hash, running_digest"
+        f" FROM {DIGEST_TABLE} ORDER BY notification_id"
+    )
 
 
 class SealRefused(OpledgerError):

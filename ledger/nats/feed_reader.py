@@ -40,7 +40,7 @@ from nats.aio.subscription import Subscription
 
 from ledger.nats.client import flush_all
 from ledger.nats.errors import FeedAccessDenied, FeedReadError, FeedReadTimeout
-from schemas import FEED_STREAM
+from schemas import FEED_STREAM, Subjects
 
 __all__ = ["MAX_BATCH", "FeedMessage", "read_feed"]
 
@@ -48,7 +48,7 @@ MAX_BATCH = 4096
 """The largest `batch` `read_feed` accepts: it bounds how many messages are held at once."""
 
 _DIRECT_GET = f"$JS.API.DIRECT.GET.{FEED_STREAM}"
-_FEED_SUBJECTS = "ops.feed.>"  # the stream's subjects (`topology.stream_configs`)
+_FEED_SUBJECTS = Subjects.all_feed()  # the stream's subjects (`topology.stream_configs`)
 # Header names of direct get answers (nats-server stream.go).
 _STATUS = "Status"
 _DESCRIPTION = "Description"

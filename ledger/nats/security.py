@@ -231,14 +231,19 @@ def permissions_for(role: Role, name: str) -> Permissions:
                 # The ledger is the JetStream administrator: it creates and updates
                 # the streams and consumers, fetches its results, reads stream state.
                 "$JS.API.>",
-                "ops.exec.>",
-                "ops.feed.>",
-                "ops.outcome.>",
+                Subjects.all_work(any_depth=True),
+                Subjects.all_feed(),
+                Subjects.all_outcomes(),
                 # Acks for its results consumer. It already holds `$JS.API.>`, so a
                 # narrower ack grant would protect nothing.
                 "$JS.ACK.>",
             ),
-            subscribe=("ops.propose.*", "ops.status.*", "ops.lease.*", inbox),
+            subscribe=(
+                Subjects.all_proposals(),
+                Subjects.all_status_requests(),
+                Subjects.all_lease_requests(),
+                inbox,
+            ),
             # Replies to proposals and status requests go to the host's private
             # inbox, replies to lease requests to the `_R_.` subject of the
             # executor's import; the ledger may otherwise publish to neither.
@@ -247,7 +252,7 @@ def permissions_for(role: Role, name: str) -> Permissions:
     if role is Role.HOST:
         return Permissions(
             publish=(Subjects.propose(name), Subjects.status(name)),
-            subscribe=(f"ops.outcome.{name}.>", inbox),
+            subscribe=(Subjects.all_outcomes(name), inbox),
         )
     if role is Role.EXECUTOR:
         consumer = work_consumer(name)

@@ -107,7 +107,7 @@ def stream_configs(
     return [
         StreamConfig(
             name=WORK_STREAM,
-            subjects=["ops.exec.*"],
+            subjects=[Subjects.all_work()],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             # Re-queuing the same attempt (same Nats-Msg-Id) within the window is a no-op.
@@ -117,7 +117,7 @@ def stream_configs(
         ),
         StreamConfig(
             name=RESULTS_STREAM,
-            subjects=["ops.result.*"],
+            subjects=[Subjects.all_results()],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             # An executor retrying a result publish after a lost PubAck is deduplicated.
@@ -128,7 +128,7 @@ def stream_configs(
         ),
         StreamConfig(
             name=FEED_STREAM,
-            subjects=["ops.feed.>"],
+            subjects=[Subjects.all_feed()],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             duplicate_window=duplicate_window_s,
@@ -160,8 +160,8 @@ def consumer_configs(
         )
 
     configs = [(WORK_STREAM, pull(work_consumer(tool), Subjects.work(tool))) for tool in tools]
-    configs.append((RESULTS_STREAM, pull(RESULTS_CONSUMER, "ops.result.*")))
-    configs.append((FEED_STREAM, pull(FEED_AUDITOR_CONSUMER, "ops.feed.>")))
+    configs.append((RESULTS_STREAM, pull(RESULTS_CONSUMER, Subjects.all_results())))
+    configs.append((FEED_STREAM, pull(FEED_AUDITOR_CONSUMER, Subjects.all_feed())))
     return configs
 
 

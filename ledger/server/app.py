@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from faststream import FastStream
 from faststream.nats import NatsBroker
 from faststream.nats.security import NatsNKey
 from nats.aio.client import Client
@@ -30,27 +29,27 @@ from ledger.domain.states import ResultDisposition
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.redispatch import Redispatcher
-from ledger.server.relay import Relay
+from ledger.server.relay import Relay, RelayPorts, RelayPositions
 from ledger.server.requests import RequestServer
-from ledger.service import Ledger
+from ledger.service import FINAL_STATES, Ledger
 from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
     ErrorCategory,
+    ErrorEnvelope,
     ErrorInfo,
     LeaseRequest,
-    OperationStatus,
     OpledgerError,
     ProposalEnvelope,
     ProposeReply,
     PullConsumer,
     ResultEnvelope,
     StatusRequest,
-    check_token,
+    Subjects,
     host_operation_id,
 )
 
-__all__ = ["LedgerService", "ServiceOptions"]
+__all__ = ["LedgerService", "ServiceOptions", "build_relay", "relay_ports"]
 
 _log = logging.getLogger(__name__)
 
@@ -110,6 +109,52 @@ def _reply(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
+def _refused(error: ErrorInfo) -> bytes:
+    """A refused proposal: the propose reply with its error."""
+    return _reply(ProposeReply(error=error))
+
+
+def _failed(error: ErrorInfo, operation_id: str | None = None) -> bytes:
+    """A refused status or lease request: the error envelope (with the operation asked about)."""
+    meta = {} if operation_id is None else {"operation_id": operation_id}
+    return _reply(ErrorEnvelope(error=error, meta=meta))
+
+
+def relay_ports(ledger: Ledger) -> RelayPorts:
+    """The relay's ports on a real ledger: the composition root's one look inside it."""
+    catalog = ledger.checker.catalog
+
+    def sensitive_arguments(tool: str) -> tuple[str, ...]:
+        contract = catalog.get(tool)
+        return contract.sensitive_arguments if contract else ()
+
+    def note_set_aside(operation_id: str, position: int, version: int, reason: str) -> None:
+        ledger.note_publication_set_aside(
+            operation_id, position=position, version=version, reason=reason
+        )
+
+    return RelayPorts(
+        rows_after=ledger.stored_rows_after,
+        refresh=ledger.refresh,
+        routes=ledger.projector.routes,
+        sensitive_arguments=sensitive_arguments,
+        status=lambda operation_id, version, host: ledger.status(
+            operation_id, known_version=version, host=host
+        ),
+        note_set_aside=note_set_aside,
+        final_states=frozenset(state.value for state in FINAL_STATES),
+    )
+
+
+def build_relay(
+    gateway: LedgerGateway, nc: Client, *, relay: Callable[..., Relay] = Relay, **options: Any
+) -> Relay:
+    """A relay over `gateway`'s ledger, publishing on `nc` (`options`: `Relay`'s keywords;
+    `relay`: the class, or a factory taking `Relay`'s arguments)."""
+    ledger = gateway.ledger
+    return relay(gateway, nc, relay_ports(ledger), RelayPositions(ledger.db), **options)
+
+
 class LedgerService:
     """The ledger on NATS: start, serve, stop."""
 
@@ -120,7 +165,6 @@ class LedgerService:
         connect = _broker_options(options.connect_options)
         self._on_reconnected_too = connect.pop("reconnected_cb", None)
         self.broker = NatsBroker(servers, reconnected_cb=self._on_reconnected, **connect)
-        self.app = FastStream(self.broker)
         self.gateway: LedgerGateway | None = None
         self.relay: Relay | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -143,16 +187,26 @@ class LedgerService:
         requests = RequestServer(
             nc, queue=self.options.queue_group, limit=self.options.max_requests
         )
-        await requests.serve("ops.propose.*", self._on_propose)
-        await requests.serve("ops.status.*", self._on_status)
-        await requests.serve("ops.lease.*", self._lease)
+        # A refused proposal is a propose reply with its `error`; a refused
+        # status or lease request is the common error envelope (see
+        # docs/wire-format.md#errors), told from an answer by its `ok`.
+        await requests.serve(Subjects.all_proposals(), self._on_propose, error_reply=_refused)
+        await requests.serve(Subjects.all_status_requests(), self._on_status)
+        await requests.serve(Subjects.all_lease_requests(), self._lease)
         self._requests = requests
 
     async def _on_propose(self, body: bytes, host: str) -> bytes:
         return _reply(await self._propose(body, host))
 
     async def _on_status(self, body: bytes, host: str) -> bytes:
-        return _reply(await self._status(body, host))
+        try:
+            request = StatusRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _failed(_invalid(exc))
+        try:
+            return _reply(await self._gateway.status(request.operation_id, host))
+        except OpledgerError as error:
+            return _failed(error.to_info(), request.operation_id)
 
     @property
     def _gateway(self) -> LedgerGateway:
@@ -185,25 +239,15 @@ class LedgerService:
             decision=submission.decision,
         )
 
-    async def _status(self, body: bytes, host: str) -> OperationStatus | ProposeReply:
-        try:
-            request = StatusRequest.model_validate_json(body)
-        except ValidationError as exc:
-            return ProposeReply(error=_invalid(exc))
-        try:
-            return await self._gateway.status(request.operation_id, host)
-        except OpledgerError as error:
-            return ProposeReply(operation_id=request.operation_id, error=error.to_info())
-
     async def _lease(self, body: bytes, tool: str) -> bytes:
         try:
             request = LeaseRequest.model_validate_json(body)
         except ValidationError as exc:
-            return _reply(ProposeReply(error=_invalid(exc)))
+            return _failed(_invalid(exc))
         try:
             reply = await self._gateway.lease(request.operation_id, request.executor, tool)
         except OpledgerError as error:
-            return _reply(ProposeReply(operation_id=request.operation_id, error=error.to_info()))
+            return _failed(error.to_info(), request.operation_id)
         return _reply(reply)
 
     # ------------------------------------------------------------------ results
@@ -288,10 +332,12 @@ class LedgerService:
         if self.options.metrics_port is not None:
             metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.metrics = metrics
-        self.relay = Relay(self.gateway, nc, metrics=metrics)
+        self.relay = build_relay(self.gateway, nc, metrics=metrics)
         self.relay.start()
         if self.options.redispatch_after is not None:
-            self._redispatcher = Redispatcher(self.ledger, js, after=self.options.redispatch_after)
+            self._redispatcher = Redispatcher(
+                self.ledger.projector.ready_since_before, js, after=self.options.redispatch_after
+            )
         await self.broker.start()
         await self._serve_requests(nc)
         loop = asyncio.get_running_loop()
@@ -334,8 +380,3 @@ class LedgerService:
             await stop.wait()
         finally:
             await self.stop()
-
-
-def check_host(host: str) -> str:
-    """A host name usable as a subject token."""
-    return check_token(host)

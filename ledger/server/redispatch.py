@@ -17,18 +17,21 @@ an attempt runs once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from ledger.service import Ledger
 from schemas import WORK_STREAM, Subjects, WorkItem, work_consumer, work_message_id
 
-__all__ = ["Redispatcher"]
+__all__ = ["ReadySince", "Redispatcher"]
 
 _log = logging.getLogger(__name__)
+
+ReadySince = Callable[[datetime], Sequence[tuple[str, str, str | None, int]]]
+"""moment → the operations ready and unchanged since before it: (ID, tool, tool version,
+attempts). The operations view answers it (`OperationsProjector.ready_since_before`)."""
 
 
 class Redispatcher:
@@ -36,7 +39,7 @@ class Redispatcher:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ready_since_before: ReadySince,
         js: JetStreamContext,
         *,
         after: timedelta,
@@ -44,7 +47,7 @@ class Redispatcher:
     ) -> None:
         if after <= timedelta(0):
             raise ValueError("after must be positive")
-        self._ledger = ledger
+        self._ready_since_before = ready_since_before
         self._js = js
         self._after = after
         self._clock = clock
@@ -53,9 +56,7 @@ class Redispatcher:
         """Redispatch what is stranded now; the operation IDs it published again."""
         now = self._clock()
         stranded: dict[str, list[tuple[str, str | None, int]]] = {}
-        for operation_id, tool, version, attempts in self._ledger.projector.ready_since_before(
-            now - self._after
-        ):
+        for operation_id, tool, version, attempts in self._ready_since_before(now - self._after):
             stranded.setdefault(tool, []).append((operation_id, version, attempts))
         # One ID per period: instances sweeping at once send one copy, not one each.
         period = int(now.timestamp() // self._after.total_seconds())

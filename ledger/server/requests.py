@@ -5,7 +5,11 @@ dependency machinery, hops to worker threads for its synchronous steps and
 logs two lines. Measured with `bench/e2e_bench.py` on this project's 2-core
 machine, the whole stack reached 223 operations/s with FastStream handlers
 (64 at a time) and 667 with these subscriptions, everything else equal. The
-ledger's own work per operation is what the CPU is for.
+ledger's own work per operation is what the CPU is for. Measured again for
+issue 12 without the ledger (FastStream 0.7.8, a status request parsed and
+answered, 64 in flight, one local nats-server): 8.0-8.4k requests/s through
+a FastStream subscriber with its per-message log lines off (4.3-5.0k with
+them on), 21.9-24.9k through a plain subscription: still about 3 to 1.
 
 Why many at a time: a nats-py subscription calls its callback for one message
 after another. A handler waits for the ledger's next batch, so serving one
@@ -38,41 +42,46 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ledger.nats.security import reply_allowed
-from schemas import ErrorCategory, ErrorInfo, ProposeReply
+from schemas import ErrorCategory, ErrorEnvelope, ErrorInfo
 
-__all__ = ["Handler", "RequestServer"]
+__all__ = ["ErrorReply", "Handler", "RequestServer", "error_envelope"]
 
 _log = logging.getLogger(__name__)
 
 _HEADER_ROOM = 512
-_TOO_LARGE = (
-    ProposeReply(
-        error=ErrorInfo(
-            code="REPLY_TOO_LARGE",
-            category=ErrorCategory.INTERNAL,
-            message="the answer is larger than a message may be",
-        )
-    )
-    .model_dump_json()
-    .encode()
+_TOO_LARGE = ErrorInfo(
+    code="REPLY_TOO_LARGE",
+    category=ErrorCategory.INTERNAL,
+    message="the answer is larger than a message may be",
 )
-
-_BUSY = (
-    ProposeReply(
-        error=ErrorInfo(
-            code="LEDGER_BUSY",
-            category=ErrorCategory.TRANSIENT,
-            message="too many of this requester's requests are waiting: retry shortly",
-            retryable=True,
-            retry_after_ms=200,
-        )
-    )
-    .model_dump_json()
-    .encode()
+_BUSY = ErrorInfo(
+    code="LEDGER_BUSY",
+    category=ErrorCategory.TRANSIENT,
+    message="too many of this requester's requests are waiting: retry shortly",
+    retryable=True,
+    retry_after_ms=200,
 )
 
 Handler = Callable[[bytes, str], Awaitable[bytes]]
 """Serves one request: (payload, last subject token) → reply payload. Never raises on bad input."""
+
+ErrorReply = Callable[[ErrorInfo], bytes]
+"""How a subject's requests are refused: the error as that subject's reply payload."""
+
+
+def error_envelope(error: ErrorInfo) -> bytes:
+    """`error` in the common error envelope (`schemas.ErrorEnvelope`): how status and lease
+    requests, and any request by default, are refused."""
+    return ErrorEnvelope(error=error).model_dump_json().encode()
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """One served subject: its handler and its two refusals, encoded once."""
+
+    handler: Handler
+    busy: bytes
+    too_large: bytes
 
 
 class RequestServer:
@@ -105,17 +114,21 @@ class RequestServer:
         self._running: set[asyncio.Task[None]] = set()
         self._subscriptions: list[Subscription] = []
 
-    async def serve(self, subject: str, handler: Handler) -> None:
-        """Subscribe `subject` (a wildcard ending in `*`) and answer with `handler`."""
+    async def serve(
+        self, subject: str, handler: Handler, *, error_reply: ErrorReply = error_envelope
+    ) -> None:
+        """Subscribe `subject` (a wildcard ending in `*`) and answer with `handler`;
+        `error_reply` shapes the refusals the server itself makes (busy, too large)."""
+        route = _Route(handler, error_reply(_BUSY), error_reply(_TOO_LARGE))
 
         async def callback(message: Msg) -> None:
-            self._arrived(message, handler)
+            self._arrived(message, route)
 
         self._subscriptions.append(
             await self._nc.subscribe(subject, queue=self._queue, cb=callback)
         )
 
-    def _arrived(self, message: Msg, handler: Handler) -> None:
+    def _arrived(self, message: Msg, route: _Route) -> None:
         if not reply_allowed(message.subject, message.reply):
             # The server does not check reply subjects: answering anywhere
             # else would let one client make the ledger publish for it.
@@ -133,7 +146,7 @@ class RequestServer:
             and self._active.get(requester, 0) < self._per_requester
             and (not self._bytes or self._bytes + size <= self._max_bytes)
         ):
-            self._start(requester, message, handler)  # nobody waits: no queue, no turn
+            self._start(requester, message, route)  # nobody waits: no queue, no turn
             return
         waiting = self._waiting.get(requester)
         if waiting is None:
@@ -141,14 +154,14 @@ class RequestServer:
         if len(waiting.items) >= self._waiting_limit or (
             waiting.items and waiting.bytes + size > self._max_waiting_bytes
         ):
-            self._busy(message)
+            self._busy(message, route)
             return
-        waiting.items.append((message, handler))
+        waiting.items.append((message, route))
         waiting.bytes += size
         self._admit()
 
-    def _busy(self, message: Msg) -> None:
-        task = asyncio.get_running_loop().create_task(self._reply(message, _BUSY))
+    def _busy(self, message: Msg, route: _Route) -> None:
+        task = asyncio.get_running_loop().create_task(self._reply(message, route.busy))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
@@ -160,7 +173,7 @@ class RequestServer:
                 if self._started >= self._limit:
                     return
                 waiting = self._waiting[requester]
-                message, handler = waiting.items[0]
+                message, route = waiting.items[0]
                 size = len(message.data)
                 if self._active.get(requester, 0) >= self._per_requester or (
                     self._bytes and self._bytes + size > self._max_bytes
@@ -174,25 +187,25 @@ class RequestServer:
                 else:
                     del self._waiting[requester]
                     blocked.discard(requester)
-                self._start(requester, message, handler)
+                self._start(requester, message, route)
 
-    def _start(self, requester: str, message: Msg, handler: Handler) -> None:
+    def _start(self, requester: str, message: Msg, route: _Route) -> None:
         self._active[requester] = self._active.get(requester, 0) + 1
         self._started += 1
         self._bytes += len(message.data)
-        task = asyncio.get_running_loop().create_task(self._answer(requester, message, handler))
+        task = asyncio.get_running_loop().create_task(self._answer(requester, message, route))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _answer(self, requester: str, message: Msg, handler: Handler) -> None:
+    async def _answer(self, requester: str, message: Msg, route: _Route) -> None:
         try:
             token = message.subject.rsplit(".", 1)[-1]
-            payload = await handler(message.data, token)
+            payload = await route.handler(message.data, token)
             if len(payload) > self._nc.max_payload - _HEADER_ROOM:
                 # An answer no message can carry (a huge kept result): the
                 # requester gets a structured error, not a timeout.
                 _log.warning("answer on %s: %d bytes, sent an error", message.subject, len(payload))
-                payload = _TOO_LARGE
+                payload = route.too_large
             await self._nc.publish(message.reply, payload)
         except Exception:
             # A bug, not bad input (handlers answer bad input themselves): log
@@ -237,5 +250,5 @@ class RequestServer:
 class _Waiting:
     """One requester's requests not yet started, oldest first, and their bytes."""
 
-    items: deque[tuple[Msg, Handler]] = field(default_factory=deque)
+    items: deque[tuple[Msg, _Route]] = field(default_factory=deque)
     bytes: int = 0

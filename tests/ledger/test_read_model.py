@@ -114,3 +114,11 @@ def test_ops_list_is_current_without_writing(denied: Ledger, capsys: Any) -> Non
     assert denied.db.query("SELECT * FROM opledger_positions ORDER BY name") == positions_before
     denied.refresh()
     assert cli_json(capsys, "ops", "list") == rows  # what the view says once it catches up
+
+
+def test_the_fold_has_its_own_module_and_its_names_stay_importable_from_the_view() -> None:
+    from ledger.projections import operation_row, operations_view
+
+    for name in ("ROW_COLUMNS", "VIEW_COLUMNS", "OperationRow", "Row", "fold_event",
+                 "fold_stored", "view_text", "_STATE_CHANGES"):
+        assert getattr(operations_view, name) is getattr(operation_row, name), name

@@ -19,6 +19,7 @@ from ledger.client import AgentHostClient, RequestRefused
 from ledger.nats import Role
 from schemas import (
     ErrorCategory,
+    ErrorEnvelope,
     ErrorInfo,
     OperationStatus,
     ProposeReply,
@@ -62,8 +63,8 @@ class StandIn:
     async def on_status(self, message: Msg) -> None:
         operation_id = StatusRequest.model_validate_json(message.data).operation_id
         self.status_requests.append(operation_id)
-        if operation_id in self.errors:  # answered as the service does: an error reply
-            refusal = ProposeReply(error=self.errors[operation_id])
+        if operation_id in self.errors:  # answered as the service does: the error envelope
+            refusal = ErrorEnvelope(error=self.errors[operation_id])
             await self.nc.publish(message.reply, refusal.model_dump_json().encode())
             return
         status = self.states.get(operation_id, _status(operation_id, "ready", False))
@@ -153,3 +154,14 @@ async def test_an_error_answer_to_status_is_raised_whatever_its_text(nats_env: N
         assert refused.value.code == "OPERATION_NOT_FOUND"
         stand_in.states["op-ok"] = _status("op-ok", "succeeded", True)
         assert (await client.status("op-ok")).final
+
+
+async def test_a_status_with_an_error_of_its_own_is_a_status(nats_env: NatsEnv) -> None:
+    """A failed operation's status may carry its `error`: that is an answer, not a refusal."""
+    async with _parties(nats_env) as (stand_in, client):
+        failure = ErrorInfo(code="UPSTREAM_DOWN", category=ErrorCategory.TRANSIENT, message="x")
+        stand_in.states["op-failed"] = _status("op-failed", "failed", True).model_copy(
+            update={"error": failure}
+        )
+        status = await client.status("op-failed")
+        assert (status.state, status.error) == ("failed", failure)

@@ -101,7 +101,7 @@ async def test_reads_every_stored_message_in_order_across_batches_and_gaps(
     assert got == expected
     assert [json.loads(m.data)["position"] for m in got] == [1, 2, 3, 4, 6, 8, 9, 10]
     # The newest message was deleted: the last sequence is that of the last one stored.
-    assert counting.requests[0] == {"last_by_subj": "ops.feed.>"}
+    assert counting.requests[0] == {"last_by_subj": Subjects.all_feed()}
     batches = counting.requests[1:]
     assert all(0 < request["batch"] <= 4 for request in batches), batches
     # The second asks from a deleted sequence: the server steps over it, and the
@@ -189,7 +189,7 @@ async def test_an_empty_feed_reads_nothing_and_a_feed_without_direct_get_is_an_e
         try:
             js = ledger.jetstream(timeout=CALL_TIMEOUT_S)
             # The feed as a server of an earlier version has it: no direct gets.
-            await js.add_stream(name=FEED_STREAM, subjects=["ops.feed.>"])
+            await js.add_stream(name=FEED_STREAM, subjects=[Subjects.all_feed()])
             await js.publish(Subjects.feed("search_documents", "OperationCreated"), b"{}")
             with pytest.raises(FeedReadError, match="direct gets") as raised:
                 await _collect(read_feed(auditor, timeout=2))

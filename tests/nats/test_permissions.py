@@ -198,7 +198,7 @@ async def _naive_answer_into_inbox(ctx: Ctx) -> None:
     """
     async with (
         ctx.other(Role.HOST, "h1") as host,
-        _responder(ctx.ledger, "ops.propose.*", check=False),
+        _responder(ctx.ledger, Subjects.all_proposals(), check=False),
     ):
         reply = f"_INBOX.{ctx.nonce.decode()}"
         await host.nc.publish(Subjects.propose("h1"), ctx.nonce, reply=reply)
@@ -290,7 +290,7 @@ async def subscribe_outcomes(ctx: Ctx, host: str) -> bool:
         await flush_all(c.ledger.nc, CALL_TIMEOUT_S)
         return True
 
-    return await _subscription_gets(ctx, f"ops.outcome.{host}.>", announce)
+    return await _subscription_gets(ctx, Subjects.all_outcomes(host), announce)
 
 
 async def subscribe_feed_core(ctx: Ctx) -> bool:
@@ -299,7 +299,7 @@ async def subscribe_feed_core(ctx: Ctx) -> bool:
     async def mirror(c: Ctx) -> bool:
         return await _js_publish(c.ledger, Subjects.feed(SEARCH, "OperationCreated"), c.nonce)
 
-    return await _subscription_gets(ctx, "ops.feed.>", mirror)
+    return await _subscription_gets(ctx, Subjects.all_feed(), mirror)
 
 
 async def direct_get_last(ctx: Ctx, stream: str) -> bool:
@@ -310,9 +310,9 @@ async def direct_get_last(ctx: Ctx, stream: str) -> bool:
     permission alone (nobody would answer even if it were let through).
     """
     setups = {
-        FEED_STREAM: (Subjects.feed(SEARCH, "OperationCreated"), "ops.feed.>"),
-        WORK_STREAM: (Subjects.work(SEARCH), "ops.exec.*"),
-        RESULTS_STREAM: (Subjects.result(SEARCH), "ops.result.*"),
+        FEED_STREAM: (Subjects.feed(SEARCH, "OperationCreated"), Subjects.all_feed()),
+        WORK_STREAM: (Subjects.work(SEARCH), Subjects.all_work()),
+        RESULTS_STREAM: (Subjects.result(SEARCH), Subjects.all_results()),
     }
     subject, last_by = setups[stream]
     if stream == RESULTS_STREAM:
@@ -347,7 +347,7 @@ async def reply_twice(ctx: Ctx) -> bool:
     async with ctx.other(Role.HOST, "h1") as host:
         inbox = host.nc.new_inbox()
         replies = await host.nc.subscribe(inbox)
-        requests = await ctx.actor.nc.subscribe("ops.propose.*")
+        requests = await ctx.actor.nc.subscribe(Subjects.all_proposals())
         await flush_all(ctx.actor.nc, CALL_TIMEOUT_S)
         await host.nc.publish(Subjects.propose("h1"), b"first", reply=inbox)
         request = await requests.next_msg(timeout=CALL_TIMEOUT_S)
@@ -431,12 +431,12 @@ CASES: list[Case] = [
        'publish to "$js.api.direct.get.ops_feed"'),
     # agent host h1
     ok(HOST, "h1", "publish-own-proposal",
-       lambda c: _core_publish_seen(c, Subjects.propose("h1"), "ops.propose.*")),
+       lambda c: _core_publish_seen(c, Subjects.propose("h1"), Subjects.all_proposals())),
     ok(HOST, "h1", "request-own-proposal", lambda c: request_served(c, Subjects.propose("h1"))),
     ok(HOST, "h1", "request-own-status", lambda c: request_served(c, Subjects.status("h1"))),
     ok(HOST, "h1", "subscribe-own-outcomes", lambda c: subscribe_outcomes(c, "h1")),
     no(HOST, "h1", "publish-other-hosts-proposal",
-       lambda c: _core_publish_seen(c, Subjects.propose("other"), "ops.propose.*"),
+       lambda c: _core_publish_seen(c, Subjects.propose("other"), Subjects.all_proposals()),
        'publish to "ops.propose.other"'),
     no(HOST, "h1", "subscribe-other-hosts-outcomes", lambda c: subscribe_outcomes(c, "other"),
        'subscription to "ops.outcome.other.>"'),
@@ -459,7 +459,7 @@ CASES: list[Case] = [
     no(AUDITOR, "auditor", "read-stream-info", lambda c: stream_info(c, FEED_STREAM),
        'publish to "$js.api.stream.info.ops_feed"'),
     no(AUDITOR, "auditor", "publish-proposal",
-       lambda c: _core_publish_seen(c, "ops.propose.x", "ops.propose.*"),
+       lambda c: _core_publish_seen(c, "ops.propose.x", Subjects.all_proposals()),
        'publish to "ops.propose.x"'),
     no(AUDITOR, "auditor", "publish-work",
        lambda c: _core_publish_stored(c, "ops.exec.x", WORK_STREAM),
@@ -681,10 +681,10 @@ async def test_reply_subject_is_not_checked_by_the_server(nats_env: NatsEnv) -> 
             nats_env.connect(Role.HOST, "h1") as h1,
             nats_env.connect(Role.HOST, "other") as other,
         ):
-            outcomes = await other.nc.subscribe("ops.outcome.other.>")
+            outcomes = await other.nc.subscribe(Subjects.all_outcomes("other"))
             await flush_all(other.nc, CALL_TIMEOUT_S)
             for check, arrives in ((True, False), (False, True)):
-                async with _responder(ledger, "ops.propose.*", check=check):
+                async with _responder(ledger, Subjects.all_proposals(), check=check):
                     await h1.nc.publish(Subjects.propose("h1"), nonce, reply=forged)
                     await flush_all(h1.nc, CALL_TIMEOUT_S)
                     assert await _received(outcomes, nonce) is arrives, f"check={check}"

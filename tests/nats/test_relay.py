@@ -8,16 +8,18 @@ nothing is published twice and nothing is skipped.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
 
 from ledger import Ledger, StorageConfig
 from ledger.nats import Role
-from ledger.server import relay as relay_module
+from ledger.server.app import build_relay
 from ledger.server.gateway import LedgerGateway
 from ledger.server.relay import Relay
-from schemas import FEED_STREAM, WORK_STREAM
+from ledger.server.relay import publisher as relay_module
+from schemas import FEED_STREAM, WORK_STREAM, feed_message_id, work_message_id
 from tests.ledger.helpers import ALICE, make_ledger, search
 from tests.nats.conftest import NatsEnv
 
@@ -50,8 +52,8 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
     gateway = LedgerGateway(ledger)
     async with nats_env.connect(Role.LEDGER, "ledger") as probe:
         js = probe.nc.jetstream()
-        first = RecordingRelay(gateway, probe.nc)
-        second = RecordingRelay(gateway, probe.nc)
+        first = build_relay(gateway, probe.nc, relay=RecordingRelay)
+        second = build_relay(gateway, probe.nc, relay=RecordingRelay)
         feed, work = await _stored(js, FEED_STREAM), await _stored(js, WORK_STREAM)
 
         ledger.submit(search(ids[0]), ALICE)  # proposed, validated, readied
@@ -75,7 +77,8 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
         await second.pump()
         assert len(second.published) == 4
         assert sorted(second.published) == sorted(
-            [f"{ids[2]}:{version}" for version in (1, 2, 3)] + [f"{ids[2]}:attempt-1"]
+            [feed_message_id(ids[2], version) for version in (1, 2, 3)]
+            + [work_message_id(ids[2], 1)]
         )  # its three events and the work item of its first attempt
         assert not any(ids[2] in published for published in first.published)
         assert len(set(first.published + second.published)) == 12  # nothing twice
@@ -114,7 +117,7 @@ async def test_feed_events_without_pubacks_are_proven_by_a_later_one(
     monkeypatch.setattr(relay_module, "_CONFIRM_EVERY_S", 3600.0)  # no proof falls due
     async with nats_env.connect(Role.LEDGER, "ledger") as probe:
         js = probe.nc.jetstream()
-        relay = RecordingRelay(gateway, probe.nc)
+        relay = build_relay(gateway, probe.nc, relay=RecordingRelay)
         feed = await _stored(js, FEED_STREAM)
         ledger.submit(search(f"op-proof-1-{suffix}"), ALICE)
         await relay.pump()  # the feed's next sequence is learnt: a PubAck each
@@ -144,7 +147,7 @@ async def test_a_lost_feed_event_is_noticed_and_sent_again_once(
     monkeypatch.setattr(relay_module, "_CONFIRM_EVERY_S", 3600.0)
     async with nats_env.connect(Role.LEDGER, "ledger") as probe:
         js = probe.nc.jetstream()
-        relay = LosingRelay(gateway, probe.nc, lose=f"{lost}:2")
+        relay = build_relay(gateway, probe.nc, relay=partial(LosingRelay, lose=f"{lost}:2"))
         feed = await _stored(js, FEED_STREAM)
         ledger.submit(search(f"op-lost-1-{suffix}"), ALICE)
         await relay.pump()

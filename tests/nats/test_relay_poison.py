@@ -21,9 +21,10 @@ import pytest
 from ledger import Ledger, Operation, StorageConfig
 from ledger.domain.hashing import stored_event_hash
 from ledger.nats import NatsServer, declare_topology
+from ledger.server.app import build_relay
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
-from ledger.server.relay import SET_ASIDE_TABLE, Relay
+from ledger.server.relay import SET_ASIDE_TABLE
 from schemas import FEED_STREAM, WORK_STREAM, RuntimeContext, Subjects
 from tests.factories import blob_registry
 from tests.feed import feed_messages
@@ -87,13 +88,13 @@ async def test_an_event_that_cannot_be_published_is_set_aside_and_the_relay_move
         js = nc.jetstream()
         await declare_topology(js, ["search_documents"], ack_wait_s=5, max_deliver=3)
         metrics = LedgerMetrics()
-        relay = Relay(LedgerGateway(ledger), nc, metrics=metrics)
+        relay = build_relay(LedgerGateway(ledger), nc, metrics=metrics)
         _forged_legacy_operation(ledger, f"legacy-{suffix}", "../etc/passwd")
         ledger.submit(search(f"after-{suffix}"), ALICE)
         assert await relay.pump() is False
 
         # Everything after the poisoned events went out.
-        ids = await _feed_ids(js, "ops.feed.search_documents.>")
+        ids = await _feed_ids(js, Subjects.all_feed("search_documents"))
         assert {f"after-{suffix}:{v}" for v in (1, 2, 3)} <= ids
         work = await js.get_last_msg(WORK_STREAM, Subjects.work("search_documents"))
         assert work.data is not None
@@ -115,14 +116,14 @@ async def test_an_event_that_cannot_be_published_is_set_aside_and_the_relay_move
         # never noted again; and a new relay (a restart) does not go round again.
         await relay.pump()
         await relay.stop()
-        again = Relay(LedgerGateway(ledger), nc, metrics=metrics)
+        again = build_relay(LedgerGateway(ledger), nc, metrics=metrics)
         ledger.submit(search(f"later-{suffix}"), ALICE)
         await again.pump()
         await again.stop()
         assert len(ledger.history(f"legacy-{suffix}")) == 4
         count = ledger.db.query(f"SELECT COUNT(*) FROM {SET_ASIDE_TABLE}")[0][0]
         assert count == 4
-        assert f"later-{suffix}:3" in await _feed_ids(js, "ops.feed.search_documents.>")
+        assert f"later-{suffix}:3" in await _feed_ids(js, Subjects.all_feed("search_documents"))
     finally:
         await nc.close()
         ledger.close()
@@ -140,7 +141,7 @@ async def test_an_event_larger_than_a_message_goes_out_without_its_body(
     try:
         js = nc.jetstream()
         await declare_topology(js, ["store_blob"], ack_wait_s=5, max_deliver=3)
-        relay = Relay(LedgerGateway(ledger), nc)
+        relay = build_relay(LedgerGateway(ledger), nc)
         blob = proposal("store_blob", {"blob": "b" * 100_000}, operation_id=f"blob-{suffix}")
         assert ledger.submit(blob, RuntimeContext(principal="a", tenant="t")).state.value == "ready"
         await relay.pump()
@@ -199,7 +200,7 @@ async def test_rows_that_are_no_events_stop_neither_the_relay_nor_the_view_nor_t
     try:
         js = nc.jetstream()
         await declare_topology(js, ["search_documents"], ack_wait_s=5, max_deliver=3)
-        relay = Relay(LedgerGateway(ledger), nc)
+        relay = build_relay(LedgerGateway(ledger), nc)
         ledger.submit(search(f"known-{suffix}"), ALICE)
         _insert_raw(ledger, f"garbage-{suffix}", 1, topic, b"\xff\xfe not json")
         _insert_raw(ledger, f"shape-{suffix}", 1, topic, b'{"hello": 1}')
@@ -209,7 +210,7 @@ async def test_rows_that_are_no_events_stop_neither_the_relay_nor_the_view_nor_t
         assert after.state.value == "ready"  # the budget read the view: it is not stuck
         assert await relay.pump() is False
 
-        ids = await _feed_ids(js, "ops.feed.search_documents.>")
+        ids = await _feed_ids(js, Subjects.all_feed("search_documents"))
         assert {f"after-{suffix}:{v}" for v in (1, 2, 3)} <= ids
         rows = ledger.db.query(
             f"SELECT operation_id, reason FROM {SET_ASIDE_TABLE} ORDER BY position"

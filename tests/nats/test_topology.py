@@ -17,6 +17,7 @@ from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
     WORK_STREAM,
+    Subjects,
     work_consumer,
 )
 from tests.nats.conftest import TOOLS
@@ -56,11 +57,11 @@ async def test_declare_is_idempotent_and_updates_what_changed(server: NatsServer
 
             work = await js.stream_info(WORK_STREAM)
             assert work.config.retention == RetentionPolicy.WORK_QUEUE
-            assert work.config.subjects == ["ops.exec.*"]
+            assert work.config.subjects == [Subjects.all_work()]
             assert work.config.duplicate_window == 60
             feed = await js.stream_info(FEED_STREAM)
             assert feed.config.retention == RetentionPolicy.LIMITS
-            assert feed.config.subjects == ["ops.feed.>"]
+            assert feed.config.subjects == [Subjects.all_feed()]
             consumer = await js.consumer_info(WORK_STREAM, work_consumer("search_documents"))
             assert consumer.config.filter_subject == "ops.exec.search_documents"
             assert consumer.config.ack_policy == "explicit"
@@ -77,7 +78,10 @@ async def test_an_existing_feed_gets_direct_gets_and_nothing_else_does(server: N
         js = nc.jetstream(timeout=1)
         try:
             await js.add_stream(
-                name=FEED_STREAM, subjects=["ops.feed.>"], duplicate_window=120, storage="file"
+                name=FEED_STREAM,
+                subjects=[Subjects.all_feed()],
+                duplicate_window=120,
+                storage="file",
             )
             await js.publish("ops.feed.search_documents.OperationCreated", b"kept")
             assert (await js.stream_info(FEED_STREAM)).config.allow_direct is False
@@ -100,7 +104,8 @@ async def test_a_stream_that_cannot_be_updated_is_an_error(server: NatsServer) -
         nc = await nats.connect(server.url, allow_reconnect=False, connect_timeout=2)
         js = nc.jetstream(timeout=1)
         try:
-            await js.add_stream(name=WORK_STREAM, subjects=["ops.exec.*"])  # limits retention
+            # Limits retention:
+            await js.add_stream(name=WORK_STREAM, subjects=[Subjects.all_work()])
             with pytest.raises(TopologyError, match=WORK_STREAM) as raised:
                 await declare_topology(js, TOOLS, ack_wait_s=30, max_deliver=5)
             assert "retention" in raised.value.message

@@ -1,0 +1,161 @@
+"""The wire as an AsyncAPI 3.0 document, declared with FastStream and generated from it.
+
+FastStream's place in opledger: the ledger service's connection (a
+`NatsBroker` connects, reconnects and drains it) and this description of the
+wire. Its subscribers are not on the hot path: per request they run
+middleware and dependency machinery and hop to worker threads, and the whole
+stack reached 223 operations/s with FastStream handlers against 667 with the
+plain nats-py subscriptions `ledger.server.requests` uses, everything else
+equal (`bench/e2e_bench.py`, this project's 2-core machine; measured again
+without the ledger, still about 3 to 1: see `ledger.server.requests`). So the broker
+here is never connected: it only declares every subject with its `schemas`
+model, for FastStream to describe.
+
+    python -m ledger.server.asyncapi > docs/asyncapi.yaml
+
+regenerates the published document; a test checks it is current and that
+every channel's payload is its model's JSON Schema.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+
+import yaml
+from faststream.nats import NatsBroker
+from faststream.specification import AsyncAPI
+from pydantic import BaseModel
+
+from schemas import (
+    ErrorEnvelope,
+    FeedEvent,
+    LeaseReply,
+    LeaseRequest,
+    OperationStatus,
+    ProposalEnvelope,
+    ProposeReply,
+    ResultEnvelope,
+    StatusRequest,
+    Subjects,
+    WorkItem,
+)
+
+__all__ = ["CHANNELS", "Channel", "asyncapi_yaml", "wire_broker"]
+
+
+def _address(build: Callable[..., str], *names: str) -> str:
+    """The subject `build` makes, each of its tokens an AsyncAPI `{name}` parameter."""
+    subject = build(*(f"__{n}__" for n in range(len(names))))
+    for n, name in enumerate(names):
+        subject = subject.replace(f"__{n}__", "{" + name + "}")
+    return subject
+
+
+_REPLY = "{reply}"
+"""A reply goes to the request's reply subject: the requester's private inbox
+(`_INBOX_<role>_<name>.…`), or for a lease the `_R_.…` subject of its import."""
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """One channel of the document: a subject, its message model, and who sends it."""
+
+    title: str
+    address: str
+    model: type[BaseModel]
+    received: bool
+    """True: the ledger receives it (a subscriber); False: the ledger sends it."""
+    description: str
+
+
+CHANNELS: tuple[Channel, ...] = (
+    Channel("propose", _address(Subjects.propose, "host"), ProposalEnvelope, received=True,
+            description="A host proposes a tool call (request/reply, core NATS)."),
+    Channel("propose_reply", _REPLY, ProposeReply, received=False,
+            description="The answer to a proposal: the operation and the check's decision, or"
+            " its `error` when the proposal itself is refused."),
+    Channel("status", _address(Subjects.status, "host"), StatusRequest, received=True,
+            description="A host asks where one of its operations stands (request/reply)."),
+    Channel("status_reply", _REPLY, OperationStatus, received=False,
+            description="The answer to a status request."),
+    Channel("lease", _address(Subjects.lease, "tool"), LeaseRequest, received=True,
+            description="An executor asks for the lease on one operation (request/reply)."),
+    Channel("lease_reply", _REPLY, LeaseReply, received=False,
+            description="The answer to a lease request."),
+    Channel("request_refused", _REPLY, ErrorEnvelope, received=False,
+            description="The answer to a status or lease request the ledger cannot serve"
+            " (`ok` is false; `meta.operation_id` names the operation asked about)."),
+    Channel("work", _address(Subjects.work, "tool"), WorkItem, received=False,
+            description="A ready operation queued for its tool's executors (JetStream"
+            " OPS_WORK, `Nats-Msg-Id` `<operation_id>:attempt-<n>`)."),
+    Channel("result", _address(Subjects.result, "tool"), ResultEnvelope, received=True,
+            description="One attempt's result, published by its executor (JetStream"
+            " OPS_RESULTS)."),
+    Channel("feed", _address(Subjects.feed, "tool", "event_type"), FeedEvent, received=False,
+            description="Every ledger event, sensitive values hashed (JetStream OPS_FEED,"
+            " `Nats-Msg-Id` `<operation_id>:<version>`)."),
+    Channel("outcome", _address(Subjects.outcome, "host", "operation_id"), OperationStatus,
+            received=False,
+            description="The final outcome of one of a host's operations (core NATS, best"
+            " effort: the host asks for the status when none comes)."),
+)
+"""Every subject of the wire, with the `schemas` model of its messages."""
+
+
+def wire_broker() -> NatsBroker:
+    """A broker (never connected) declaring every channel of `CHANNELS`."""
+    broker = NatsBroker()
+    for channel in CHANNELS:
+        if channel.received:
+            broker.subscriber(
+                channel.address, title=channel.title, description=channel.description
+            )(_handler(channel.model))
+        else:
+            broker.publisher(
+                channel.address,
+                title=channel.title,
+                description=channel.description,
+                schema=channel.model,
+            )
+    return broker
+
+
+def _handler(model: type[BaseModel]) -> Callable[..., Any]:
+    """A subscriber body whose one argument FastStream describes as `model`."""
+
+    async def handle(message: Any) -> None:  # pragma: no cover - never called
+        del message  # described, never read
+
+    handle.__annotations__ = {"message": model, "return": None}
+    return handle
+
+
+def asyncapi_yaml() -> str:
+    """The AsyncAPI 3.0 document of the wire, as YAML."""
+    spec = AsyncAPI(
+        wire_broker(),
+        title="opledger wire",
+        version=version("opledger"),
+        description="Every message opledger's processes exchange over NATS. The payload"
+        " schemas are `schemas/json/`'s, generated from the same pydantic models.",
+        schema_version="3.0.0",
+    )
+    document: dict[str, Any] = spec.to_specification().to_jsonable()
+    # FastStream lists channels in an order of its own that varies from run to
+    # run: sorted by name, the document is the same bytes every time.
+    for section in (document, document["components"]):
+        for key in ("channels", "operations", "messages", "schemas"):
+            if key in section:
+                section[key] = dict(sorted(section[key].items()))
+    out = io.StringIO()
+    yaml.safe_dump(document, out, sort_keys=False, allow_unicode=True, width=100)
+    return out.getvalue()
+
+
+if __name__ == "__main__":
+    sys.stdout.write(asyncapi_yaml())

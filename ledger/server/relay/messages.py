@@ -1,0 +1,188 @@
+"""What each stored event means on NATS: the pure half of the relay.
+
+A stored event becomes its feed record on `ops.feed.<tool>.<EventType>`;
+a dispatch event (`_DISPATCH`) also becomes a work item on its tool's queue;
+a settling event (`_SETTLING`) also becomes an outcome notice to the host
+that proposed the operation. Nothing here does I/O: the outcome notice's
+status, the tool's sensitive arguments and the metrics come in as ports,
+so the builder is tested without NATS or a database.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ledger._recent import Recent
+from ledger.audit.export import feed_record
+from ledger.audit.verify import StoredRow
+from schemas import (
+    OperationStatus,
+    Subjects,
+    WorkItem,
+    feed_message_id,
+    host_operation_id,
+    work_message_id,
+)
+
+__all__ = [
+    "FinalStatus",
+    "Observe",
+    "RelayMessage",
+    "Route",
+    "SensitiveArguments",
+    "learn_routes",
+    "messages_for",
+]
+
+_log = logging.getLogger(__name__)
+
+_DISPATCH = {"Readied", "RetryScheduled"}
+_SETTLING = {
+    "Succeeded",
+    "Failed",
+    "Rejected",
+    "ApprovalDenied",
+    "ApprovalExpired",
+    "Cancelled",
+    "Reconciled",
+}
+
+Route = tuple[str, str | None, str]
+"""What the relay needs to know of an operation: (tool, tool version or None, host)."""
+
+SensitiveArguments = Callable[[str], Sequence[str]]
+"""tool → the JSON pointers of its arguments the feed carries hashed (none for an
+unknown tool)."""
+
+FinalStatus = Callable[[str, int, str], OperationStatus | None]
+"""(host's operation ID, the version just read, host) → the final status to announce,
+or None for none (not final, or unreadable: the host asks for it instead)."""
+
+Observe = Callable[[dict[str, Any], str], None]
+"""Counts one feed record of a tool (the metrics)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayMessage:
+    """One NATS message the relay publishes."""
+
+    subject: str
+    payload: bytes
+    message_id: str | None
+    """The `Nats-Msg-Id`; None: core NATS (outcome notices are not stored)."""
+    feed: bool = False
+    """A feed event: its stream sequence number is known in advance."""
+    row: StoredRow | None = None
+    """The event a feed message carries (to set it aside if JetStream refuses it)."""
+
+
+def learn_routes(rows: Iterable[StoredRow], routes: Recent[str, Route]) -> None:
+    """Note each operation's tool, tool version and host from the events that name them.
+
+    The relay reads every event anyway; keeping these three facts saves
+    bringing the operations view up to date (a transaction) per batch.
+    """
+    for _, operation_id, _, topic, stored in rows:
+        kind = topic.rsplit(".", 1)[-1]
+        try:
+            if kind == "Proposed":
+                state = orjson.loads(stored)
+                route = (str(state["tool"]), None, str(state.get("host", "")))
+                routes.remember(operation_id, route)
+            elif kind in ("Validated", "Rejected"):
+                known = routes.get(operation_id)
+                if known is not None:
+                    version = orjson.loads(stored).get("tool_version")
+                    routes.remember(
+                        operation_id,
+                        (known[0], None if version is None else str(version), known[2]),
+                    )
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            # Not an event (a row written by hand): nothing to learn from it;
+            # without a route the relay sets it aside.
+            continue
+
+
+def messages_for(
+    row: StoredRow,
+    route: Route,
+    *,
+    limit: int,
+    sensitive: SensitiveArguments,
+    final_status: FinalStatus,
+    observe: Observe | None = None,
+) -> list[RelayMessage]:
+    """The messages one event means, each within `limit` bytes; raises if it has none."""
+    tool, tool_version, host = route
+    operation_id, version = row[1], row[2]
+    record = feed_record(row, tuple(sensitive(tool)))
+    kind = record["type"]
+    if observe is not None:
+        try:
+            observe(record, tool)
+        except Exception:  # a metric must never cost an event its publication
+            _log.warning("metrics could not count %s event %s", kind, version, exc_info=True)
+    payload = orjson.dumps(record)
+    if len(payload) > limit:
+        # The event itself stays in the ledger; the feed carries its hash,
+        # which is what an auditor compares against the store.
+        payload = orjson.dumps(record | {"event": {}, "event_omitted": True})
+        if len(payload) > limit:
+            raise ValueError(f"even without its body the feed record is {len(payload)} bytes")
+    messages = [
+        RelayMessage(
+            Subjects.feed(tool, kind),
+            payload,
+            feed_message_id(operation_id, version),
+            feed=True,
+            row=row,
+        )
+    ]
+    if kind in _DISPATCH and tool_version:
+        state: dict[str, Any] = record["event"]
+        attempt = int(state.get("after_attempt", 0)) + 1
+        item = WorkItem(
+            operation_id=operation_id, tool=tool, tool_version=tool_version, attempt=attempt
+        )
+        messages.append(
+            RelayMessage(
+                Subjects.work(tool),
+                item.model_dump_json().encode(),
+                # One dispatch event per attempt, so one work item per attempt.
+                work_message_id(operation_id, attempt),
+            )
+        )
+    if kind in _SETTLING and host:
+        notice = _outcome_notice(operation_id, version, host, limit, final_status)
+        if notice is not None:
+            messages.append(notice)
+    return messages
+
+
+def _outcome_notice(
+    operation_id: str, version: int, host: str, limit: int, final_status: FinalStatus
+) -> RelayMessage | None:
+    """The announcement of a final outcome to its host, if there is one to make.
+
+    Best effort (core NATS, and the host asks for the status when none
+    comes): a status that cannot be read is the host's to ask about, and
+    it never costs the event its place on the feed.
+    """
+    # The host knows its operation by its own ID: asked in its namespace.
+    local = host_operation_id(operation_id)
+    status = final_status(local, version, host)
+    if status is None:
+        return None
+    payload = status.model_dump_json().encode()
+    if len(payload) > limit:
+        # A result too large for any message: no notice (a notice without
+        # its result would read as "no result"). The host's status request
+        # is answered with an error that says so.
+        _log.warning("no outcome notice for %s: %d bytes", operation_id, len(payload))
+        return None
+    return RelayMessage(Subjects.outcome(host, local), payload, None)

@@ -1,0 +1,130 @@
+"""The relay's pure half: a stored event → the NATS messages it means, without NATS."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from ledger._recent import Recent
+from ledger.server.relay import RelayMessage, Route, learn_routes, messages_for
+from ledger.server.relay import messages as relay_messages
+from schemas import (
+    FeedEvent,
+    OperationStatus,
+    Subjects,
+    WorkItem,
+    feed_message_id,
+    work_message_id,
+)
+
+_TOPIC = "ledger.domain.operation:Operation."
+_ROUTE: Route = ("search_documents", "2.1.0", "h1")
+_LIMIT = 1024 * 1024
+
+
+def _row(position: int, version: int, kind: str, **state: Any) -> tuple[int, str, int, str, bytes]:
+    state.setdefault("timestamp", "2026-11-29T10:00:00.000000Z")
+    return (position, "h1/op-1", version, _TOPIC + kind, orjson.dumps(state))
+
+
+class FakeLedger:
+    """What the builder's ports answer: sensitive pointers and final statuses."""
+
+    def __init__(self, status: OperationStatus | None = None) -> None:
+        self.status = status
+        self.asked: list[tuple[str, int, str]] = []
+
+    def sensitive(self, tool: str) -> tuple[str, ...]:
+        return ("/query",) if tool == "search_documents" else ()
+
+    def final_status(self, operation_id: str, version: int, host: str) -> OperationStatus | None:
+        self.asked.append((operation_id, version, host))
+        return self.status
+
+
+def _build(row: Any, fake: FakeLedger, limit: int = _LIMIT) -> list[RelayMessage]:
+    return messages_for(
+        row, _ROUTE, limit=limit, sensitive=fake.sensitive, final_status=fake.final_status
+    )
+
+
+def test_every_event_is_one_feed_message_with_sensitive_values_hashed() -> None:
+    fake = FakeLedger()
+    row = _row(7, 1, "Proposed", tool="search_documents", arguments={"query": "secret"})
+    [message] = _build(row, fake)
+    assert (message.subject, message.message_id, message.feed, message.row) == (
+        Subjects.feed("search_documents", "Proposed"), feed_message_id("h1/op-1", 1), True, row,
+    )
+    event = FeedEvent.model_validate_json(message.payload)
+    assert (event.position, event.version, event.type) == (7, 1, "Proposed")
+    assert b"secret" not in message.payload
+    assert fake.asked == []
+
+
+@pytest.mark.parametrize(("kind", "state", "attempt"), [
+    ("Readied", {}, 1),
+    ("RetryScheduled", {"after_attempt": 2}, 3),
+])
+def test_a_dispatch_event_is_also_a_work_item_per_attempt(
+    kind: str, state: dict[str, Any], attempt: int
+) -> None:
+    feed, work = _build(_row(9, 4, kind, **state), FakeLedger())
+    assert feed.feed and not work.feed
+    assert (work.subject, work.message_id) == (
+        Subjects.work("search_documents"), work_message_id("h1/op-1", attempt),
+    )
+    assert WorkItem.model_validate_json(work.payload) == WorkItem(
+        operation_id="h1/op-1", tool="search_documents", tool_version="2.1.0", attempt=attempt
+    )
+
+
+def test_a_settling_event_announces_the_final_status_to_its_host_in_its_namespace() -> None:
+    status = OperationStatus(operation_id="op-1", state="succeeded", final=True)
+    fake = FakeLedger(status)
+    _feed, notice = _build(_row(10, 6, "Succeeded"), fake)
+    assert fake.asked == [("op-1", 6, "h1")]
+    assert (notice.subject, notice.message_id, notice.feed) == (
+        Subjects.outcome("h1", "op-1"), None, False,
+    )
+    assert OperationStatus.model_validate_json(notice.payload) == status
+
+
+def test_no_notice_without_a_final_status_or_when_it_is_too_large() -> None:
+    assert len(_build(_row(10, 6, "Succeeded"), FakeLedger(None))) == 1
+    big = OperationStatus(operation_id="op-1", state="succeeded", final=True,
+                          outcome={"text": "x" * 5000})
+    assert len(_build(_row(10, 6, "Succeeded"), FakeLedger(big), limit=4000)) == 1
+
+
+def test_a_record_too_large_for_a_message_goes_without_its_body() -> None:
+    [message] = _build(_row(3, 2, "Validated", blob="y" * 5000), FakeLedger(), limit=4000)
+    event = FeedEvent.model_validate_json(message.payload)
+    assert (event.event, event.event_omitted) == ({}, True)
+    with pytest.raises(ValueError, match="without its body"):
+        _build(_row(3, 2, "Validated"), FakeLedger(), limit=10)
+
+
+def test_a_row_that_is_no_event_raises_for_the_relay_to_set_aside() -> None:
+    with pytest.raises(orjson.JSONDecodeError):
+        _build((1, "h1/op-1", 1, _TOPIC + "Proposed", b"not json"), FakeLedger())
+
+
+def test_routes_are_learnt_from_the_events_that_name_them() -> None:
+    routes: Recent[str, Route] = Recent(10)
+    learn_routes([
+        _row(1, 1, "Proposed", tool="search_documents", host="h1"),
+        (2, "h1/op-2", 1, _TOPIC + "Proposed", b"junk"),
+        _row(3, 2, "Validated", tool_version="2.1.0"),
+    ], routes)
+    assert routes.get("h1/op-1") == ("search_documents", "2.1.0", "h1")
+    assert routes.get("h1/op-2") is None
+
+
+def test_the_event_kind_sets_keep_their_contents() -> None:
+    assert {"Readied", "RetryScheduled"} == relay_messages._DISPATCH
+    assert {
+        "Succeeded", "Failed", "Rejected", "ApprovalDenied", "ApprovalExpired", "Cancelled",
+        "Reconciled",
+    } == relay_messages._SETTLING
