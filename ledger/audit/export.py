@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import orjson
 
-from ledger.audit.verify import StoredRow
+from ledger.adapters.event_tables import StoredRow
 from ledger.domain.hashing import stored_event_hash
 from policy import ToolContract
 from schemas import canonical_json, sha256_hex

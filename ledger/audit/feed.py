@@ -30,7 +30,8 @@ from typing import Any
 
 import orjson
 
-from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding, FindingKind, StoredRow
+from ledger.adapters.event_tables import StoredRow
+from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding, FindingKind
 from ledger.domain.hashing import stored_event_hash
 
 __all__ = ["FeedComparison", "FeedRecord", "compare_feed", "feed_records"]

@@ -15,6 +15,10 @@ from typing import Any
 
 import orjson
 
+from ledger.domain.event_kinds import event_kind
+from ledger.domain.operation import Operation
+from ledger.domain.states import OperationState
+
 __all__ = [
     "ROW_COLUMNS",
     "VIEW_COLUMNS",
@@ -69,40 +73,30 @@ class OperationRow:
     host: str
 
 
-# Event type → columns it sets. A callable computes values from the event state.
+# Event type → the columns it sets besides the state (which the event registry,
+# `ledger.domain.event_kinds`, says). A callable computes a value from the event.
 _Setter = dict[str, Any | Callable[[dict[str, Any]], Any]]
 
-_STATE_CHANGES: dict[str, _Setter] = {
-    "Validated": {
-        "state": "validated",
+_COLUMNS: dict[type[Operation.Event], _Setter] = {
+    Operation.Validated: {
         "tool_version": lambda e: e["tool_version"],
         "risk": lambda e: e["risk"],
         "proposal_hash": lambda e: e["proposal_hash"],
     },
-    "Rejected": {"state": "rejected", "tool_version": lambda e: e["tool_version"]},
-    "ApprovalRequested": {
-        "state": "awaiting_approval",
+    Operation.Rejected: {"tool_version": lambda e: e["tool_version"]},
+    Operation.ApprovalRequested: {
         "approval_id": lambda e: e["approval_id"],
         "approval_expires_at": lambda e: e["expires_at"],
         "approvals_required": lambda e: e["required_approvals"],
     },
-    "ApprovalDenied": {"state": "approval_denied", "approval_id": None},
-    "ApprovalExpired": {"state": "approval_expired", "approval_id": None},
-    "Readied": {"state": "ready", "approval_id": None},
-    "LeaseClaimed": {
-        "state": "executing",
+    Operation.ApprovalDenied: {"approval_id": None},
+    Operation.ApprovalExpired: {"approval_id": None},
+    Operation.Readied: {"approval_id": None},
+    Operation.LeaseClaimed: {
         "attempts": lambda e: e["attempt"],
         "lease_expires_at": lambda e: _normalized(e["lease_expires_at"]),
     },
-    "LeaseExpired": {"state": "outcome_unknown"},
-    "OutcomeUnknown": {"state": "outcome_unknown"},
-    "Succeeded": {"state": "succeeded"},
-    "Failed": {"state": "failed"},
-    "ReconciliationStarted": {"state": "reconciling"},
-    "ReconciliationInconclusive": {"state": "outcome_unknown"},
-    "Reconciled": {"state": lambda e: "succeeded" if e["outcome"] == "succeeded" else "failed"},
-    "RetryScheduled": {"state": "ready"},
-    "Cancelled": {"state": "cancelled", "approval_id": None},
+    Operation.Cancelled: {"approval_id": None},
 }
 
 
@@ -164,12 +158,14 @@ def _proposed_row(operation_id: str, version: int, state: dict[str, Any]) -> Row
 def _changes(row: Row, version: int, kind: str, state: dict[str, Any]) -> Row:
     """The columns one event (not the first) changes, computed before any is written."""
     changes: Row = {"updated_at": _normalized(state["timestamp"]), "last_version": version}
-    for column, value in _STATE_CHANGES.get(kind, {}).items():
+    registered = event_kind(kind)
+    if registered is None:
+        return changes
+    changes["state"] = registered.state_after(state, OperationState(row["state"])).value
+    for column, value in _COLUMNS.get(registered.event, {}).items():
         changes[column] = value(state) if callable(value) else value
-    if kind == "ApprovalGranted":
+    if registered.event is Operation.ApprovalGranted:
         changes["approvals_granted"] = row["approvals_granted"] + 1
-    elif kind == "CancelRequested" and row["state"] == "executing":
-        changes["state"] = "cancel_requested"
     return changes
 
 

@@ -32,7 +32,6 @@ from eventsourcing.persistence import ApplicationRecorder, Notification
 from ledger.adapters.sql import SqlDatabase
 from ledger.audit.seal import digest_rows
 from ledger.projections.operation_row import (  # the fold's names, importable from here too
-    _STATE_CHANGES,  # noqa: F401  # event type → the columns it sets
     ROW_COLUMNS,
     VIEW_COLUMNS,
     OperationRow,

@@ -120,5 +120,5 @@ def test_the_fold_has_its_own_module_and_its_names_stay_importable_from_the_view
     from ledger.projections import operation_row, operations_view
 
     for name in ("ROW_COLUMNS", "VIEW_COLUMNS", "OperationRow", "Row", "fold_event",
-                 "fold_stored", "view_text", "_STATE_CHANGES"):
+                 "fold_stored", "view_text"):
         assert getattr(operations_view, name) is getattr(operation_row, name), name

@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from ledger._recent import Recent
+from ledger.domain.event_kinds import EVENT_KINDS
 from ledger.server.relay import RelayMessage, Route, learn_routes, messages_for
-from ledger.server.relay import messages as relay_messages
 from schemas import (
     FeedEvent,
     OperationStatus,
@@ -122,9 +122,10 @@ def test_routes_are_learnt_from_the_events_that_name_them() -> None:
     assert routes.get("h1/op-2") is None
 
 
-def test_the_event_kind_sets_keep_their_contents() -> None:
-    assert {"Readied", "RetryScheduled"} == relay_messages._DISPATCH
-    assert {
+def test_the_registry_names_the_same_dispatching_and_settling_events_as_before() -> None:
+    kinds = EVENT_KINDS.values()
+    assert {kind.name for kind in kinds if kind.dispatches} == {"Readied", "RetryScheduled"}
+    assert {kind.name for kind in kinds if kind.settles} == {
         "Succeeded", "Failed", "Rejected", "ApprovalDenied", "ApprovalExpired", "Cancelled",
         "Reconciled",
-    } == relay_messages._SETTLING
+    }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -52,8 +52,8 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
     gateway = LedgerGateway(ledger)
     async with nats_env.connect(Role.LEDGER, "ledger") as probe:
         js = probe.nc.jetstream()
-        first = build_relay(gateway, probe.nc, relay=RecordingRelay)
-        second = build_relay(gateway, probe.nc, relay=RecordingRelay)
+        first = cast(RecordingRelay, build_relay(gateway, probe.nc, relay=RecordingRelay))
+        second = cast(RecordingRelay, build_relay(gateway, probe.nc, relay=RecordingRelay))
         feed, work = await _stored(js, FEED_STREAM), await _stored(js, WORK_STREAM)
 
         ledger.submit(search(ids[0]), ALICE)  # proposed, validated, readied
@@ -147,7 +147,10 @@ async def test_a_lost_feed_event_is_noticed_and_sent_again_once(
     monkeypatch.setattr(relay_module, "_CONFIRM_EVERY_S", 3600.0)
     async with nats_env.connect(Role.LEDGER, "ledger") as probe:
         js = probe.nc.jetstream()
-        relay = build_relay(gateway, probe.nc, relay=partial(LosingRelay, lose=f"{lost}:2"))
+        relay = cast(
+            LosingRelay,
+            build_relay(gateway, probe.nc, relay=partial(LosingRelay, lose=f"{lost}:2")),
+        )
         feed = await _stored(js, FEED_STREAM)
         ledger.submit(search(f"op-lost-1-{suffix}"), ALICE)
         await relay.pump()

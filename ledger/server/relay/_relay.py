@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from nats.aio.client import Client
 
 from ledger._recent import Recent
-from ledger.audit.verify import StoredRow
+from ledger.adapters.event_tables import StoredRow
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.relay.messages import (

@@ -1,8 +1,8 @@
 """What each stored event means on NATS: the pure half of the relay.
 
 A stored event becomes its feed record on `ops.feed.<tool>.<EventType>`;
-a dispatch event (`_DISPATCH`) also becomes a work item on its tool's queue;
-a settling event (`_SETTLING`) also becomes an outcome notice to the host
+a dispatching event (`EventKind.dispatches`) also becomes a work item on its tool's queue;
+a settling event (`EventKind.settles`) also becomes an outcome notice to the host
 that proposed the operation. Nothing here does I/O: the outcome notice's
 status, the tool's sensitive arguments and the metrics come in as ports,
 so the builder is tested without NATS or a database.
@@ -18,8 +18,9 @@ from typing import Any
 import orjson
 
 from ledger._recent import Recent
+from ledger.adapters.event_tables import StoredRow
 from ledger.audit.export import feed_record
-from ledger.audit.verify import StoredRow
+from ledger.domain.event_kinds import event_kind
 from schemas import (
     OperationStatus,
     Subjects,
@@ -40,17 +41,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-_DISPATCH = {"Readied", "RetryScheduled"}
-_SETTLING = {
-    "Succeeded",
-    "Failed",
-    "Rejected",
-    "ApprovalDenied",
-    "ApprovalExpired",
-    "Cancelled",
-    "Reconciled",
-}
 
 Route = tuple[str, str | None, str]
 """What the relay needs to know of an operation: (tool, tool version or None, host)."""
@@ -143,7 +133,8 @@ def messages_for(
             row=row,
         )
     ]
-    if kind in _DISPATCH and tool_version:
+    registered = event_kind(kind)
+    if registered is not None and registered.dispatches and tool_version:
         state: dict[str, Any] = record["event"]
         attempt = int(state.get("after_attempt", 0)) + 1
         item = WorkItem(
@@ -157,7 +148,7 @@ def messages_for(
                 work_message_id(operation_id, attempt),
             )
         )
-    if kind in _SETTLING and host:
+    if registered is not None and registered.settles and host:
         notice = _outcome_notice(operation_id, version, host, limit, final_status)
         if notice is not None:
             messages.append(notice)

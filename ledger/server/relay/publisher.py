@@ -23,7 +23,7 @@ from nats.errors import BadSubjectError, MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from ledger.audit.verify import StoredRow
+from ledger.adapters.event_tables import StoredRow
 from ledger.server.relay.messages import RelayMessage
 
 __all__ = ["Proof", "RelayPublisher", "SetAside", "SetAsideFn"]
