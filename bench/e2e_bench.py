@@ -543,7 +543,7 @@ class LedgerDriver(Driver):
                                     error_cb=_ignore_error)
         self._host = AgentHostClient(self._nc, HOST, timeout=PROPOSE_TIMEOUT_S)
         if self.mode == "watch":
-            await self._nc.subscribe(f"ops.outcome.{HOST}.>", cb=self._on_outcome)
+            await self._nc.subscribe(Subjects.all_outcomes(HOST), cb=self._on_outcome)
             await flush_all(self._nc)  # subscribed before the first proposal goes out
 
     async def _on_outcome(self, message: Any) -> None:

@@ -781,9 +781,7 @@ class ItemProcessor:
         )
 
     def _published(self, envelope: ResultEnvelope, reason: str) -> ItemDisposition:
-        outcome = (
-            "succeeded" if envelope.ok else "unknown" if envelope.outcome_unknown else "failed"
-        )
+        outcome = envelope.outcome.value
         self.metrics.executions.labels(tool=self.contract.name, outcome=outcome).inc()
         if envelope.outcome_unknown:
             self.metrics.unknown.labels(tool=self.contract.name).inc()

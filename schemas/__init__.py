@@ -35,7 +35,7 @@ from schemas._messages import (
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._publish import SCHEMA_DIR, WIRE_MODELS, render_schema, write_schemas
 from schemas._pull import PullConsumer
-from schemas._result import Provenance, ResultEnvelope
+from schemas._result import Provenance, ResultEnvelope, ResultOutcome
 from schemas._subjects import (
     FEED_AUDITOR_CONSUMER,
     FEED_STREAM,
@@ -86,6 +86,7 @@ __all__ = [
     "PullConsumer",
     "RepairStatus",
     "ResultEnvelope",
+    "ResultOutcome",
     "RiskLevel",
     "RuntimeContext",
     "StatusRequest",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from pydantic import Field
@@ -10,7 +11,16 @@ from pydantic import Field
 from schemas._base import WireModel
 from schemas._errors import ErrorInfo
 
-__all__ = ["Provenance", "ResultEnvelope"]
+__all__ = ["Provenance", "ResultEnvelope", "ResultOutcome"]
+
+
+class ResultOutcome(StrEnum):
+    """What one attempt's result envelope says happened, named once for every reader."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    """The side effect may or may not have happened (`outcome_unknown`)."""
 
 
 class Provenance(WireModel):
@@ -40,3 +50,10 @@ class ResultEnvelope(WireModel):
     redactions: tuple[str, ...] = Field(
         default=(), description="JSON pointers of fields that were redacted or truncated."
     )
+
+    @property
+    def outcome(self) -> ResultOutcome:
+        """Succeeded (`ok`), unknown (`outcome_unknown`), or else failed."""
+        if self.ok:
+            return ResultOutcome.SUCCEEDED
+        return ResultOutcome.UNKNOWN if self.outcome_unknown else ResultOutcome.FAILED

@@ -6,10 +6,14 @@ from typing import Any
 
 import nats
 
+from schemas import Subjects
+
 __all__ = ["feed_messages"]
 
 
-async def feed_messages(js: Any, subject: str = "ops.feed.>", quiet_s: float = 0.5) -> list[Any]:
+async def feed_messages(
+    js: Any, subject: str = Subjects.all_feed(), quiet_s: float = 0.5
+) -> list[Any]:
     """Every message of the feed on `subject`, in order, through an ephemeral ordered
     consumer: read until none came for `quiet_s` seconds."""
     found: list[Any] = []

@@ -21,13 +21,11 @@ from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event,
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
 from ledger.domain.values import Approval, Lease, Outcome, OutcomeStatus
-from schemas import RiskLevel
+from schemas import ResultOutcome, RiskLevel
 
 __all__ = ["ALLOWED", "Operation", "Refusal"]
 
 S = OperationState
-ResultOutcome = Literal["succeeded", "failed", "unknown"]
-"""What an executor's result says happened (`schemas.ResultEnvelope`, as the service reads it)."""
 
 
 class Refusal(str):
@@ -755,7 +753,7 @@ class Operation(BaseAggregate[str]):
         *,
         fencing_token: int,
         executor: str,
-        outcome: ResultOutcome,
+        outcome: ResultOutcome | str,
         now: datetime,
         output_hash: str = "",
         result_ref: str = "",
@@ -771,6 +769,10 @@ class Operation(BaseAggregate[str]):
         that settles the outcome (Succeeded, Failed or Reconciled).
         """
         self._guard("record_result")
+        # Events store the plain value (their bytes are hashed), never the enum.
+        if outcome not in tuple(ResultOutcome):
+            raise InvalidArgument(f"not a result outcome: {outcome!r}")
+        outcome = ResultOutcome(outcome).value
         if fencing_token != self.fencing_token or self.fencing_token == 0:
             self._trigger(
                 self.StaleResultRecorded,
@@ -784,7 +786,7 @@ class Operation(BaseAggregate[str]):
         if self.state in TERMINAL_STATES or self.state is S.READY:
             return self._late_result(fencing_token, executor, outcome, output_hash, now)
         if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING):
-            if outcome == "unknown":
+            if outcome == ResultOutcome.UNKNOWN:
                 self._trigger(self.ReconciliationInconclusive, now, by=executor, reason=reason)
                 return ResultDisposition.ACCEPTED
             self._reconcile(
@@ -799,7 +801,7 @@ class Operation(BaseAggregate[str]):
                 envelope_hash=envelope_hash,
             )
             return ResultDisposition.ACCEPTED
-        if outcome == "succeeded":
+        if outcome == ResultOutcome.SUCCEEDED:
             if self.cancel_requested:
                 self._trigger(self.CancelTooLate, now, by=executor, outcome=outcome)
             self._trigger(
@@ -812,7 +814,7 @@ class Operation(BaseAggregate[str]):
                 result_ref=result_ref,
                 envelope_hash=envelope_hash,
             )
-        elif outcome == "failed":
+        elif outcome == ResultOutcome.FAILED:
             self._trigger(
                 self.Failed,
                 now,

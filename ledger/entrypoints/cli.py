@@ -77,6 +77,7 @@ from ledger.entrypoints.parsing import (
     settings_from,
 )
 from ledger.entrypoints.processes import add_process_commands
+from ledger.server.relay import read_set_aside
 from ledger.service import Ledger
 from schemas import ErrorCategory, OpledgerError
 
@@ -206,7 +207,7 @@ def _os_reason(error: OSError) -> str:
 
 
 def _run(command: Command, ledger: Ledger, args: argparse.Namespace) -> Output:
-    with _storage_errors(ledger.events.storage.describe()):
+    with _storage_errors(ledger.tables.storage.describe()):
         return command(ledger, args)
 
 
@@ -531,10 +532,7 @@ def _manifest_ledger_keys(creds_dir: Path | None) -> list[str]:
 
 def _set_aside(ledger: Ledger) -> dict[tuple[str, int], str]:
     """The events the relay set aside instead of publishing: (operation, version) → reason."""
-    if "opledger_relay_set_aside" not in ledger.db.tables():
-        return {}
-    rows = ledger.db.query("SELECT operation_id, version, reason FROM opledger_relay_set_aside")
-    return {(str(op), int(version)): str(reason) for op, version, reason in rows}
+    return read_set_aside(ledger.db)
 
 
 def _read_feed(args: argparse.Namespace) -> list[FeedRecord | Finding]:

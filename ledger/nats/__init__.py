@@ -24,6 +24,7 @@ from ledger.nats.errors import (
     NatsServerStartError,
     NatsSetupError,
     TopologyError,
+    UnknownIdentity,
 )
 from ledger.nats.feed_reader import FeedMessage, read_feed
 from ledger.nats.security import (
@@ -62,6 +63,7 @@ __all__ = [
     "Role",
     "ServerSettings",
     "TopologyError",
+    "UnknownIdentity",
     "authorization_config",
     "connect_as",
     "connect_options",

@@ -18,6 +18,7 @@ __all__ = [
     "NatsServerStartError",
     "NatsSetupError",
     "TopologyError",
+    "UnknownIdentity",
 ]
 
 
@@ -47,6 +48,16 @@ class CredentialsError(NatsSetupError):
 
     category = ErrorCategory.INVALID_INPUT
     code = "NATS_CREDENTIALS_INVALID"
+
+
+class UnknownIdentity(CredentialsError, KeyError):
+    """No identity of that role and name in the credentials (also a `KeyError`)."""
+
+    code = "NATS_IDENTITY_UNKNOWN"
+
+    def __str__(self) -> str:
+        # KeyError's own __str__ would quote the message.
+        return self.message
 
 
 class TopologyError(NatsSetupError):

@@ -98,7 +98,7 @@ from typing import Any
 import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
 
 from ledger.nats._conf import ClusterOptions, ServerSettings, quote, render_server_config
-from ledger.nats.errors import CredentialsError
+from ledger.nats.errors import CredentialsError, UnknownIdentity
 from schemas import (
     FEED_AUDITOR_CONSUMER,
     FEED_STREAM,
@@ -392,11 +392,11 @@ class CredentialSet:
         return authorization_config(self.identities)
 
     def get(self, role: Role, name: str) -> Identity:
-        """The identity `name` of `role`; KeyError if there is none."""
+        """The identity `name` of `role`; `UnknownIdentity` (a `KeyError`) if there is none."""
         for identity in self.identities:
             if identity.role is role and identity.name == name:
                 return identity
-        raise KeyError(f"no {role.value} identity named {name!r}")
+        raise UnknownIdentity(f"no {role.value} identity named {name!r}")
 
     @property
     def ledger(self) -> Identity:

@@ -1,1 +1,1 @@
-"""The ledger service: the ledger on NATS JetStream (a FastStream application)."""
+"""The ledger service: the ledger on NATS JetStream (request handlers, gateway, relay, sweeps)."""

@@ -25,13 +25,13 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from pydantic import BaseModel, ValidationError
 
-from ledger.domain.states import ResultDisposition
+from ledger.domain.states import TERMINAL_STATES, ResultDisposition
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.redispatch import Redispatcher
 from ledger.server.relay import Relay, RelayPorts, RelayPositions
 from ledger.server.requests import RequestServer
-from ledger.service import FINAL_STATES, Ledger
+from ledger.service import Ledger
 from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
@@ -142,7 +142,7 @@ def relay_ports(ledger: Ledger) -> RelayPorts:
             operation_id, known_version=version, host=host
         ),
         note_set_aside=note_set_aside,
-        final_states=frozenset(state.value for state in FINAL_STATES),
+        final_states=frozenset(state.value for state in TERMINAL_STATES),
     )
 
 

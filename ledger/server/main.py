@@ -195,7 +195,7 @@ def run_service(args: argparse.Namespace, settings: Settings) -> int:
     except (OpledgerError, ImportError, AttributeError, ValueError, OSError) as exc:
         print(f"error: cannot start the ledger service: {exc}", file=sys.stderr)
         return 2
-    tools = [t for t in args.tools.split(",") if t] or sorted(ledger.checker.catalog)
+    tools = [t for t in args.tools.split(",") if t] or ledger.contracts.tools()
     connect: dict[str, Any] = {
         "inbox_prefix": inbox_prefix("ledger", args.name),
         "name": f"ledger-{args.name}",

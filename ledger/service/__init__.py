@@ -9,7 +9,6 @@ against the fresh state, which either succeeds or refuses cleanly. `Ledger`
 wires them together for callers that need several.
 """
 
-from ledger.domain.states import TERMINAL_STATES
 from ledger.service._approvals import Approvals
 from ledger.service._audit import Audit, ReadModels
 from ledger.service._contracts import PinnedContracts
@@ -28,11 +27,7 @@ from ledger.service._submission import (
 )
 from ledger.service._sweeps import Sweeps
 
-FINAL_STATES = TERMINAL_STATES
-"""The old name of `ledger.domain.states.TERMINAL_STATES` (kept while callers move)."""
-
 __all__ = [
-    "FINAL_STATES",
     "Approvals",
     "Audit",
     "Command",

@@ -23,6 +23,10 @@ class PinnedContracts:
             return None
         return contract
 
+    def tools(self) -> list[str]:
+        """Every tool the catalog has a contract for, sorted."""
+        return sorted(self._catalog)
+
     def get(self, tool: str) -> ToolContract | None:
         """The catalog's current contract of `tool`, if any."""
         return self._catalog.get(tool)

@@ -7,7 +7,6 @@ needing several holds one object.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -33,7 +32,7 @@ from ledger.service._status import StatusReader
 from ledger.service._submission import Submission, Submissions
 from ledger.service._sweeps import Sweeps
 from policy import ProposalChecker, ToolContract
-from schemas import LeaseReply, RuntimeContext, ToolProposal
+from schemas import LeaseReply, RuntimeContext, ToolProposal, new_operation_id
 
 __all__ = ["Ledger"]
 
@@ -52,7 +51,7 @@ class Ledger:
         projector: OperationsProjector | None = None,
         budget: LedgerBudgetCounter | None = None,
         clock: Callable[[], datetime] = _utcnow,
-        new_id: Callable[[], str] = lambda: f"op-{uuid.uuid4()}",
+        new_id: Callable[[], str] = new_operation_id,
         lease_grace: timedelta = timedelta(seconds=60),
         conflict_retries: int = 5,
         cache_size: int = 2_000,

@@ -13,7 +13,7 @@ from ledger.domain.states import ResultDisposition
 from ledger.service._contracts import PinnedContracts
 from ledger.service._runner import CommandRunner
 from policy import DEFAULT_LIMITS, json_value_issue
-from schemas import ResultEnvelope, canonical_json, sha256_hex
+from schemas import ResultEnvelope, ResultOutcome, canonical_json, sha256_hex
 
 __all__ = ["ResultRecording"]
 
@@ -92,7 +92,7 @@ class ResultRecording:
             # nothing in the envelope can be trusted to say what happened, and
             # it is not kept. Unknown, for reconciliation to settle; before, it
             # failed the append on every redelivery until JetStream gave up.
-            outcome, output_hash, text, envelope_hash = "unknown", "", "", ""
+            outcome, output_hash, text, envelope_hash = ResultOutcome.UNKNOWN, "", "", ""
             reason = f"the result cannot be recorded: {problem.code} at {problem.path or '/'}"
         else:
             output_hash = (
@@ -101,17 +101,12 @@ class ResultRecording:
             # Encoded once: the event records the hash of exactly the text that is kept.
             text = ResultStore.encode(envelope)
             envelope_hash = envelope_text_hash(text)
-            if envelope.ok:
-                outcome = "succeeded"
-            elif envelope.outcome_unknown:
-                outcome = "unknown"
-            else:
-                outcome = "failed"
+            outcome = envelope.outcome
         pending = len(operation.pending_events)
         disposition = operation.record_result(
             fencing_token=envelope.fencing_token,
             executor=envelope.provenance.executor,
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome,
             now=now,
             output_hash=output_hash,
             result_ref=reference,

@@ -23,7 +23,12 @@ Its parts, each in its own module:
 
 from ledger.server.relay._relay import Relay, RelayPorts
 from ledger.server.relay.messages import RelayMessage, Route, learn_routes, messages_for
-from ledger.server.relay.position import SET_ASIDE_TABLE, RelayPositions, SetAsideRecord
+from ledger.server.relay.position import (
+    SET_ASIDE_TABLE,
+    RelayPositions,
+    SetAsideRecord,
+    read_set_aside,
+)
 from ledger.server.relay.publisher import Proof, RelayPublisher
 
 __all__ = [
@@ -38,4 +43,5 @@ __all__ = [
     "SetAsideRecord",
     "learn_routes",
     "messages_for",
+    "read_set_aside",
 ]

@@ -131,3 +131,12 @@ class RelayPositions:
                 ),
             )
         )
+
+
+def read_set_aside(db: SqlDatabase) -> dict[tuple[str, int], str]:
+    """The events the relay set aside, (operation, version) → reason, read only
+    (an inspection command must not create the table a service would)."""
+    if SET_ASIDE_TABLE not in db.tables():
+        return {}
+    rows = db.query(f"SELECT operation_id, version, reason FROM {SET_ASIDE_TABLE}")
+    return {(str(op), int(version)): str(reason) for op, version, reason in rows}
