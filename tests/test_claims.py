@@ -11,7 +11,9 @@ CLAIMS = ROOT / "docs" / "claims.md"
 
 # `path.py` followed by backticked symbols (`Class.method`, `function`, `NAME`), up to
 # the next path, and `tests/...py::test_name` with `::more` names after it.
-_CODE = re.compile(r"`((?:ledger|executors|policy|schemas|bench|deploy)/[\w/]+\.py)`((?: `[^`]+`)*)")
+_CODE = re.compile(
+    r"`((?:ledger|executors|policy|schemas|bench|deploy)/[\w/]+\.py)`((?: `[^`]+`)*)"
+)
 _TEST = re.compile(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]]*\])?`((?:, `::\w+(?:\[[^\]]*\])?`)*)")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*")
 
