@@ -147,7 +147,7 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `python -m executors` (`opledger executor`, without the settings)."""
-    parser = _Parser(prog="opledger executor", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m executors", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run one tool's executor until SIGTERM/SIGINT")
     add_run_arguments(run)

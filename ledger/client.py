@@ -185,10 +185,14 @@ class AgentHostClient:
         request = StatusRequest(operation_id=operation_id).model_dump_json().encode()
         data = await self._request(Subjects.status(self.host), request, attempts)
         # The answer is a status, or the error envelope (`"ok": false`, no `final`).
-        # A status may carry an `error` of its own: a failed operation's.
+        # A status may carry an `error` of its own: a failed operation's. A ledger
+        # older than this SDK refuses with `{"operation_id", "error"}` and no `ok`:
+        # an error without `final` is a refusal in either shape.
         body = orjson.loads(data)
-        if isinstance(body, dict) and body.get("ok") is False and "final" not in body:
-            raise RequestRefused(ErrorEnvelope.model_validate(body).error)
+        if isinstance(body, dict) and "final" not in body and body.get("error") is not None:
+            if body.get("ok") is False:
+                raise RequestRefused(ErrorEnvelope.model_validate(body).error)
+            raise RequestRefused(ErrorInfo.model_validate(body["error"]))
         return OperationStatus.model_validate(body)
 
     async def outcome(self, operation_id: str, timeout: float = 30.0) -> OperationStatus:

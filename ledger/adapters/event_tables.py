@@ -20,6 +20,9 @@ StoredRow = tuple[int, str, int, str, bytes]
 """One stored event as read from SQL: (position, originator_id, version, topic, state)."""
 
 
+_ROW_COLUMNS = "originator_id, originator_version, topic, state"
+
+
 def position_column(storage: StorageConfig) -> str:
     """The events table's global position column (SQLite's recorder has no
     notification ID column: its `rowid` is the position)."""
@@ -41,6 +44,37 @@ class EventTables:
     def position_column(self) -> str:
         """The events table's global position."""
         return position_column(self.storage)
+
+    # The statements readers outside this module run on their own connections
+    # (verification's read-only snapshot readers, in worker processes). Each
+    # selects a `StoredRow`: (position, originator_id, version, topic, state).
+
+    def last_position_sql(self) -> str:
+        """The highest position (an index look-up)."""
+        return f"SELECT MAX({self.position_column}) FROM {self.events_table}"
+
+    def first_position_sql(self) -> str:
+        """The lowest position above zero (rows at zero or below are forged)."""
+        column = self.position_column
+        return f"SELECT MIN({column}) FROM {self.events_table} WHERE {column} > 0"
+
+    def rows_upto_sql(self, *, after: bool) -> str:
+        """Rows up to a position (parameter), and after one (a first parameter) if `after`."""
+        column = self.position_column
+        lower = f"{column} > ? AND " if after else ""
+        return (
+            f"SELECT {column}, {_ROW_COLUMNS} FROM {self.events_table}"
+            f" WHERE {lower}{column} <= ? ORDER BY {column}"
+        )
+
+    def rows_by_operation_sql(self) -> str:
+        """Every row, by operation ID in code point order, then by version."""
+        # Code point order in both: SQLite's default; PostgreSQL's only with "C".
+        collate = ' COLLATE "C"' if self.storage.is_postgres else ""
+        return (
+            f"SELECT {self.position_column}, {_ROW_COLUMNS} FROM {self.events_table}"
+            f" ORDER BY originator_id{collate}, originator_version"
+        )
 
 
 class EventTableReader:
@@ -74,7 +108,7 @@ class EventTableReader:
         """Up to `limit` stored rows after `position`, in position order."""
         column = self._position
         return self._db.query(  # both drivers return (int, str, int, str, bytes)
-            f"SELECT {column}, originator_id, originator_version, topic, state"
+            f"SELECT {column}, {_ROW_COLUMNS}"
             f" FROM {self._events} WHERE {column} > ? ORDER BY {column} LIMIT ?",
             (position, limit),
         )
@@ -90,7 +124,7 @@ class EventTableReader:
         after, above = -(2**63), ">="
         while True:
             rows = self._db.query(
-                f"SELECT {column}, originator_id, originator_version, topic, state"
+                f"SELECT {column}, {_ROW_COLUMNS}"
                 f" FROM {self._events} WHERE {column} {above} ? ORDER BY {column} LIMIT ?",
                 (after, page),
             )

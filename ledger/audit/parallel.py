@@ -50,7 +50,7 @@ from typing import Any
 
 import psycopg
 
-from ledger.adapters.event_tables import EventTables, StoredRow, position_column
+from ledger.adapters.event_tables import EventTables, StoredRow
 from ledger.adapters.results import RESULTS_TABLE
 from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 from ledger.audit.model import verify_model
@@ -422,16 +422,15 @@ def _claim(claimed: Synchronized[int], total: int) -> int | None:
 
 def _bounds(reader: _Reader, tables: EventTables) -> _Bounds:
     """The ledger's extent now. MIN and MAX of a primary key are index look-ups, not scans."""
-    position, events = tables.position_column, tables.events_table
     present = reader.tables()
     has_seal, has_signatures = DIGEST_TABLE in present, SIGNATURES_TABLE in present
-    ((last_event,),) = reader.query(f"SELECT MAX({position}) FROM {events}", ())
+    ((last_event,),) = reader.query(tables.last_position_sql(), ())
     last_sealed = last_signature = None
     if has_seal:
         ((last_sealed,),) = reader.query(f"SELECT MAX(notification_id) FROM {DIGEST_TABLE}", ())
     if has_signatures:
         ((last_signature,),) = reader.query(f"SELECT MAX(position) FROM {SIGNATURES_TABLE}", ())
-    ((first,),) = reader.query(f"SELECT MIN({position}) FROM {events} WHERE {position} > 0", ())
+    ((first,),) = reader.query(tables.first_position_sql(), ())
     last_event = int(last_event) if last_event is not None else 0
     last_sealed = int(last_sealed) if last_sealed is not None else 0
     last_signature = int(last_signature) if last_signature is not None else 0
@@ -503,14 +502,12 @@ def _verify_read(
 
 def _read_range(reader: _Reader, plan: _Plan, chunk: _Chunk) -> _Read:
     """The rows, the seal rows and the signatures of one chunk, each in position order."""
-    position, bounds = plan.bounds.tables.position_column, plan.bounds
-    lower = f"{position} > ? AND " if chunk.after is not None else ""
+    bounds = plan.bounds
     sealed_lower = "notification_id > ? AND " if chunk.after is not None else ""
     signed_lower = "position > ? AND " if chunk.after is not None else ""
     bound = (chunk.after,) if chunk.after is not None else ()
     rows: Sequence[StoredRow] = reader.query(  # (int, str, int, str, bytes)
-        f"SELECT {position}, originator_id, originator_version, topic, state"
-        f" FROM {bounds.tables.events_table} WHERE {lower}{position} <= ? ORDER BY {position}",
+        bounds.tables.rows_upto_sql(after=chunk.after is not None),
         (*bound, min(chunk.upto, bounds.last_event)),
     )
     seal: Sequence[SealRow] = ()
@@ -671,7 +668,6 @@ def _verify_model(storage: StorageConfig) -> Any:
     reader = _Reader(storage, snapshot=True)
     try:
         present = reader.tables()
-        column = position_column(storage)
         # Code point order in both: SQLite's default; PostgreSQL's only with "C".
         collate = ' COLLATE "C"' if storage.is_postgres else ""
         view_position = 0
@@ -680,10 +676,7 @@ def _verify_model(storage: StorageConfig) -> Any:
                 "SELECT position FROM opledger_positions WHERE name = ?", (VIEW_NAME,)
             )
             view_position = int(rows[0][0]) if rows else 0
-        events = reader.stream(
-            f"SELECT {column}, originator_id, originator_version, topic, state"
-            f" FROM {storage.events_table} ORDER BY originator_id{collate}, originator_version"
-        )
+        events = reader.stream(EventTables(storage).rows_by_operation_sql())
         view: Iterator[tuple[Any, ...]] = iter(())
         if "opledger_operations" in present:
             view = reader.stream(

@@ -10,10 +10,11 @@ wires them together for callers that need several.
 """
 
 from ledger.service._approvals import Approvals
-from ledger.service._audit import Audit, ReadModels
+from ledger.service._audit import Audit
 from ledger.service._contracts import PinnedContracts
 from ledger.service._leasing import LeaseRequest, Leasing
 from ledger.service._ledger import Ledger
+from ledger.service._read_models import ReadModels
 from ledger.service._results import ResultRecording
 from ledger.service._runner import Command, CommandRunner
 from ledger.service._settling import Settling

@@ -1,9 +1,8 @@
-"""Read models and audit: keep the view and the seal current, verify, export."""
+"""Audit: verification of every stored byte, and the export for auditors."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import IO
@@ -11,55 +10,13 @@ from typing import IO
 from ledger.adapters.event_tables import EventTableReader, StoredRow
 from ledger.audit.export import export_jsonl
 from ledger.audit.parallel import verify_stored
-from ledger.audit.seal import Sealer, SealRefused, SignedHead
+from ledger.audit.seal import SignedHead
 from ledger.audit.verify import VerificationReport
-from ledger.projections.operations_view import OperationsProjector
 from policy import ToolContract
 
-__all__ = ["Audit", "ReadModels"]
+__all__ = ["Audit"]
 
 _log = logging.getLogger(__name__)
-
-
-class ReadModels:
-    """Brings the operations view up to date and, holding the seal key, seals."""
-
-    def __init__(self, view: OperationsProjector, sealer: Sealer | None) -> None:
-        self._view = view
-        # Only a ledger holding the seal key seals (the service): readers
-        # never write the seal, and a ledger without the key seals nothing.
-        self._sealer = sealer
-        self._seal_refused_logged = float("-inf")
-
-    def refresh(self) -> int:
-        """Bring the read models up to date with the event log, and seal it if this
-        ledger holds the seal key; returns how many events the view took in."""
-        projected = self._view.catch_up()
-        if self._sealer is None:
-            return projected
-        # Its own transaction: one around the view's and the seal's together was
-        # measured slower end to end (bench/e2e_bench.py, 2 x 16: 967-1,217
-        # against 1,182-1,232 operations/s).
-        try:
-            self._sealer.seal(self._view.projected)
-        except SealRefused as refused:
-            # Loud but not fatal: the feed, work and outcomes must go on (the
-            # feed is the auditors' witness of what happened meanwhile).
-            now = time.monotonic()
-            if now - self._seal_refused_logged >= 60:
-                self._seal_refused_logged = now
-                _log.error("not sealing: %s", refused.message)
-        return projected
-
-    def seal_now(self) -> int:
-        """Bring the view up to date and seal everything now (a service that stops)."""
-        projected = self._view.catch_up()
-        if self._sealer is not None:
-            try:
-                self._sealer.seal(self._view.projected, now=True)
-            except SealRefused as refused:
-                _log.error("not sealing: %s", refused.message)
-        return projected
 
 
 class Audit:

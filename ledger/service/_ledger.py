@@ -22,9 +22,10 @@ from ledger.domain.operation import Operation
 from ledger.projections.operations_view import OperationsProjector
 from ledger.retention import KEPT_REJECTED_BYTES
 from ledger.service._approvals import Approvals
-from ledger.service._audit import Audit, ReadModels
+from ledger.service._audit import Audit
 from ledger.service._contracts import PinnedContracts
 from ledger.service._leasing import Leasing
+from ledger.service._read_models import ReadModels
 from ledger.service._results import ResultRecording
 from ledger.service._runner import CommandRunner
 from ledger.service._settling import Settling

@@ -54,6 +54,8 @@ class StandIn:
     nc: Client
     states: dict[str, OperationStatus] = field(default_factory=dict)
     errors: dict[str, ErrorInfo] = field(default_factory=dict)
+    old_errors: dict[str, ErrorInfo] = field(default_factory=dict)
+    """Answered as a ledger before the error envelope did: `ProposeReply(error=...)`."""
     status_requests: list[str] = field(default_factory=list)
 
     async def on_propose(self, message: Msg) -> None:
@@ -66,6 +68,10 @@ class StandIn:
         if operation_id in self.errors:  # answered as the service does: the error envelope
             refusal = ErrorEnvelope(error=self.errors[operation_id])
             await self.nc.publish(message.reply, refusal.model_dump_json().encode())
+            return
+        if operation_id in self.old_errors:
+            old = ProposeReply(operation_id=operation_id, error=self.old_errors[operation_id])
+            await self.nc.publish(message.reply, old.model_dump_json().encode())
             return
         status = self.states.get(operation_id, _status(operation_id, "ready", False))
         await self.nc.publish(message.reply, status.model_dump_json().encode())
@@ -165,3 +171,16 @@ async def test_a_status_with_an_error_of_its_own_is_a_status(nats_env: NatsEnv) 
         )
         status = await client.status("op-failed")
         assert (status.state, status.error) == ("failed", failure)
+
+
+async def test_a_refusal_from_a_ledger_before_the_error_envelope_is_still_a_refusal(
+    nats_env: NatsEnv,
+) -> None:
+    """An SDK upgraded before its ledger reads the old refusal shape, not a validation error."""
+    async with _parties(nats_env) as (stand_in, client):
+        stand_in.old_errors["op-old-err"] = ErrorInfo(
+            code="OPERATION_NOT_FOUND", category=ErrorCategory.NOT_FOUND, message="no such"
+        )
+        with pytest.raises(RequestRefused) as refused:
+            await client.status("op-old-err")
+        assert refused.value.code == "OPERATION_NOT_FOUND"
