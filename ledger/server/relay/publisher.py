@@ -25,6 +25,7 @@ from nats.js.errors import APIError
 
 from ledger.adapters.event_tables import StoredRow
 from ledger.server.relay.messages import RelayMessage
+from schemas import ErrorCategory, OpledgerError
 
 __all__ = ["Proof", "RelayPublisher", "SetAside", "SetAsideFn"]
 
@@ -38,8 +39,15 @@ SetAsideFn = Callable[[StoredRow, str], Awaitable[None]]
 """Sets the event at a stored row aside, with the reason (the relay's, on its ledger)."""
 
 
-class SetAside(Exception):
-    """Messages of this batch cannot be published; they were set aside: read it again."""
+class SetAside(OpledgerError):
+    """Messages of this batch cannot be published; they were set aside: read it again.
+
+    Raised by `RelayPublisher` to its relay, never past it: the relay reads the
+    batch again without the events it set aside.
+    """
+
+    category = ErrorCategory.INTERNAL
+    code = "RELAY_SET_ASIDE"
 
 
 class Proof(Enum):
@@ -116,7 +124,7 @@ class RelayPublisher:
                     # Checked for when the batch was read, so only a server with
                     # other limits can get here (a reconnect to another node).
                     await self._unpublishable(message, exc)
-                    raise SetAside() from exc
+                    raise SetAside("a message of this batch was set aside") from exc
                 acks.append(ack)
                 acked.append(message)
                 if message.feed:
@@ -176,7 +184,7 @@ class RelayPublisher:
                 continue
             raise outcome
         if refused:
-            raise SetAside()
+            raise SetAside("a message of this batch was set aside")
 
     async def _unpublishable(self, message: RelayMessage, cause: Exception) -> None:
         if message.row is None:

@@ -1,0 +1,68 @@
+"""Every error the ledger's APIs raise, in one place: each is a `schemas.OpledgerError`
+with a `code` and a `category`.
+
+Defined where they are raised (the domain's in `ledger.domain.errors`, the
+broker's in `ledger.nats.errors`, …) and re-exported here, so a caller catches
+them without knowing the module layout. The errors of the `opledger` commands
+and of the service's internals are the commands' own (`ledger.entrypoints`,
+`ledger.server`).
+"""
+
+from ledger.audit.seal import SealKeyError, SealRefused
+from ledger.bootstrap import NoLedger
+from ledger.client import LedgerUnavailable, OutcomeTimeout, RequestRefused
+from ledger.config import ConfigError
+from ledger.domain.errors import (
+    ApprovalRefused,
+    IllegalTransition,
+    InvalidArgument,
+    InvalidProposal,
+    LedgerError,
+    OperationConflict,
+    OperationNotFound,
+    ResultIntegrityError,
+    TamperDetected,
+)
+from ledger.embedded import StackStartError
+from ledger.nats.errors import (
+    CredentialsError,
+    FeedAccessDenied,
+    FeedReadError,
+    FeedReadTimeout,
+    NatsServerNotFound,
+    NatsServerStartError,
+    NatsSetupError,
+    TopologyError,
+    UnknownIdentity,
+)
+from schemas import OpledgerError
+
+__all__ = [
+    "ApprovalRefused",
+    "ConfigError",
+    "CredentialsError",
+    "FeedAccessDenied",
+    "FeedReadError",
+    "FeedReadTimeout",
+    "IllegalTransition",
+    "InvalidArgument",
+    "InvalidProposal",
+    "LedgerError",
+    "LedgerUnavailable",
+    "NatsServerNotFound",
+    "NatsServerStartError",
+    "NatsSetupError",
+    "NoLedger",
+    "OperationConflict",
+    "OperationNotFound",
+    "OpledgerError",
+    "OutcomeTimeout",
+    "RequestRefused",
+    "ResultIntegrityError",
+    "SealKeyError",
+    "SealRefused",
+    "StackStartError",
+    "TamperDetected",
+    "TopologyError",
+    "UnknownIdentity",
+]
