@@ -12,7 +12,7 @@ CLAIMS = ROOT / "docs" / "claims.md"
 # `path.py` followed by backticked symbols (`Class.method`, `function`, `NAME`), up to
 # the next path, and `tests/...py::test_name` with `::more` names after it.
 _CODE = re.compile(
-    r"`((?:ledger|executors|policy|schemas|bench|deploy)/[\w/]+\.py)`((?: `[^`]+`)*)"
+    r"`((?:ledger|executors|policy|schemas|bench|deploy)/[\w/]+\.py)`((?:,? `[^`/]+`)*)"
 )
 _TEST = re.compile(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]]*\])?`((?:, `::\w+(?:\[[^\]]*\])?`)*)")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*")
@@ -80,9 +80,10 @@ def test_every_test_named_in_the_claims_exists() -> None:
 def test_the_checker_notices_a_missing_symbol() -> None:
     assert _defines("class Relay:\n    def pump(self): ...\n", "Relay.pump")
     assert not _defines("class Relay:\n    def pump(self): ...\n", "Relay.claim")
-    assert _code_references("`ledger/x.py` `Ledger.get(version=)` `(cache_bytes)`") == [
+    assert _code_references("`ledger/x.py` `Ledger.get(version=)`, `fold` `(cache_bytes)`") == [
         ("ledger/x.py", None),
         ("ledger/x.py", "Ledger.get"),
+        ("ledger/x.py", "fold"),
     ]
     assert _test_references("`tests/a.py::test_one[x]`, `::test_two`") == [
         ("tests/a.py", "test_one"),

@@ -45,26 +45,23 @@ import os
 import re
 import sqlite3
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
 import psycopg
 from eventsourcing.persistence import PersistenceError
 
 from ledger.audit.feed import FeedRecord, compare_feed, feed_records
 from ledger.audit.parallel import trusted_head
 from ledger.audit.seal import SealKeyError, SignedHead, TrustedKeys
-from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding, VerificationReport
+from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding
 from ledger.bootstrap import open_ledger
 from ledger.config import Settings, seconds_argument
 from ledger.domain.errors import OperationNotFound
-from ledger.domain.event_kinds import EVENT_KINDS
-from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 from ledger.entrypoints.parsing import (
     EXIT_BROKEN_PIPE,
@@ -77,6 +74,27 @@ from ledger.entrypoints.parsing import (
     settings_from,
 )
 from ledger.entrypoints.processes import add_process_commands
+from ledger.entrypoints.render import (
+    render_approval,
+    render_decision,
+    render_export,
+    render_head,
+    render_json,
+    render_operation,
+    render_operations,
+    render_pending,
+    render_rebuild,
+    render_report,
+    render_table,
+)
+from ledger.entrypoints.views import (
+    approval_view,
+    decision_view,
+    operation_view,
+    pending_view,
+    report_view,
+    timeline_entry,
+)
 from ledger.server.relay import read_set_aside
 from ledger.service import Ledger
 from schemas import ErrorCategory, OpledgerError
@@ -628,469 +646,6 @@ def approvals_deny(ledger: Ledger, args: argparse.Namespace) -> Output:
     """`approvals deny`: the call will never run."""
     operation = ledger.deny(args.operation_id, approver=args.user, reason=args.reason)
     return Output(decision_view(operation, "denied", args.user), render_decision)
-
-
-# ---------------------------------------------------------------------- data views
-
-
-def operation_view(operation: Operation) -> dict[str, Any]:
-    """The key fields of one operation, JSON-able (datetimes stay datetimes)."""
-    return {
-        "operation_id": operation.id,
-        "version": operation.version,
-        "state": operation.state.value,
-        "tool": operation.tool,
-        "tool_version": operation.tool_version,
-        "actor": operation.actor,
-        "tenant": operation.tenant,
-        "environment": operation.environment,
-        "risk": operation.risk,
-        "proposal_hash": operation.proposal_hash,
-        "arguments": operation.arguments,
-        "proposed_arguments": operation.proposal.get("arguments"),
-        "issues": operation.issues,
-        "approval": operation.approval.as_dict() if operation.approval else None,
-        "approvers": operation.approvers,
-        "attempt": operation.attempt,
-        "max_attempts": operation.max_attempts,
-        "lease": operation.lease.as_dict() if operation.lease else None,
-        "leases": [lease.as_dict() for lease in operation.leases],
-        "outcome": operation.outcome.as_dict() if operation.outcome else None,
-        "cancel_requested": operation.cancel_requested,
-    }
-
-
-def timeline_entry(event: Any) -> dict[str, Any]:
-    """One event of the timeline: version, type, time and a one-line summary."""
-    kind = type(event).__name__
-    registered = EVENT_KINDS.get(type(event))
-    summarize = registered.summary if registered is not None else None
-    return {
-        "version": event.originator_version,
-        "type": kind,
-        "timestamp": event.timestamp,
-        "summary": summarize(event) if summarize else "",
-    }
-
-
-def report_view(report: VerificationReport) -> dict[str, Any]:
-    """A verification report, JSON-able."""
-    head = report.signed_head
-    return {
-        "ok": report.ok,
-        "events_checked": report.events_checked,
-        "operations_checked": report.operations_checked,
-        "sealed_events": report.sealed_events,
-        "unsealed_events": report.unsealed_events,
-        "head_digest": report.head_digest,
-        "signed_head": asdict(head) | {"anchor": head.anchor()} if head is not None else None,
-        "events_past_signed_head": report.unsigned_events,
-        "view_rows_checked": report.view_rows_checked,
-        "results_checked": report.results_checked,
-        "feed_events_checked": report.feed_events_checked,
-        "findings": [finding_view(finding) for finding in report.findings],
-        "notices": [finding_view(finding) for finding in report.notices],
-    }
-
-
-def finding_view(finding: Finding) -> dict[str, Any]:
-    """One verification finding, JSON-able, with its one-line description."""
-    return {
-        "kind": finding.kind.value,
-        "notification_id": finding.notification_id,
-        "operation_id": finding.operation_id,
-        "version": finding.version,
-        "detail": finding.detail,
-        "description": finding.describe(),
-    }
-
-
-def pending_view(row: dict[str, Any]) -> dict[str, Any]:
-    """One operation awaiting approval, from its view row."""
-    names = (
-        "operation_id",
-        "approval_id",
-        "tool",
-        "tool_version",
-        "actor",
-        "tenant",
-        "risk",
-        "approvals_granted",
-        "approvals_required",
-        "approval_expires_at",
-    )
-    return {name: row[name] for name in names}
-
-
-def approval_view(operation: Operation) -> dict[str, Any]:
-    """What an approver must see, from the approval request's effect preview."""
-    approval = operation.approval.as_dict() if operation.approval else {}
-    preview: dict[str, Any] = approval.get("effect_preview") or {}
-    return {
-        "operation_id": operation.id,
-        "state": operation.state.value,
-        "approval_id": approval.get("approval_id"),
-        "tool": preview.get("tool", operation.tool),
-        "tool_version": preview.get("tool_version", operation.tool_version),
-        "summary": preview.get("summary", ""),
-        "effect": preview.get("effect"),
-        "reversible": preview.get("reversible"),
-        "risk": preview.get("risk", operation.risk),
-        "risk_reasons": preview.get("risk_reasons", []),
-        "arguments": preview.get("arguments", operation.arguments),
-        "applied_defaults": preview.get("applied_defaults", []),
-        "requested_by": preview.get("requested_by", operation.actor),
-        "tenant": preview.get("tenant", operation.tenant),
-        "environment": preview.get("environment", operation.environment),
-        "reason": approval.get("reason", ""),
-        "proposal_hash": operation.proposal_hash,
-        "approver_roles": approval.get("approver_roles", []),
-        "required_approvals": approval.get("required_approvals", 1),
-        "approved_by": operation.approvers,
-        "separation_of_duties": approval.get("separation_of_duties", False),
-        "expires_at": approval.get("expires_at"),
-    }
-
-
-def decision_view(operation: Operation, decision: str, user: str) -> dict[str, Any]:
-    """The operation after an approver's decision."""
-    approval = operation.approval.as_dict() if operation.approval else {}
-    return {
-        "operation_id": operation.id,
-        "decision": decision,
-        "by": user,
-        "state": operation.state.value,
-        "approval_id": approval.get("approval_id"),
-        "approved_by": operation.approvers,
-        "required_approvals": approval.get("required_approvals"),
-    }
-
-
-# ------------------------------------------------------------------------ renderers
-
-
-def render_json(data: Any) -> str:
-    """Data as indented JSON (datetimes as RFC 3339)."""
-    return orjson.dumps(data, option=orjson.OPT_INDENT_2, default=str).decode()
-
-
-def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """An aligned plain-text table; None shows as `-`."""
-    cells = [[_cell(value) for value in row] for row in rows]
-    widths = [
-        max([len(header), *(len(row[i]) for row in cells)]) for i, header in enumerate(headers)
-    ]
-    lines = [list(headers), *cells]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
-    )
-
-
-def _cell(value: Any) -> str:
-    return "-" if value is None or value == "" else str(value)
-
-
-def _when(value: str | datetime | None) -> str:
-    """A timestamp as `YYYY-MM-DD HH:MM:SS` UTC (the ledger stores UTC)."""
-    if value is None:
-        return "-"
-    moment = datetime.fromisoformat(value) if isinstance(value, str) else value
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _compact(value: Any) -> str:
-    """A value on one line: scalars as they are, the rest as JSON."""
-    if value is None:
-        return "-"
-    if isinstance(value, str | int | float | bool):
-        return str(value)
-    return json.dumps(value, ensure_ascii=False, default=str)
-
-
-def render_operations(rows: list[dict[str, Any]]) -> str:
-    """`ops list` for people."""
-    if not rows:
-        return "no operations match"
-    headers = ("OPERATION", "STATE", "TOOL", "ACTOR", "TENANT", "RISK", "ATTEMPTS", "UPDATED (UTC)")
-    return render_table(
-        headers,
-        (
-            (
-                r["operation_id"],
-                r["state"],
-                f"{r['tool']}@{r['tool_version'] or '?'}",
-                r["actor"],
-                r["tenant"],
-                r["risk"],
-                r["attempts"],
-                _when(r["updated_at"]),
-            )
-            for r in rows
-        ),
-    )
-
-
-def render_operation(data: dict[str, Any]) -> str:
-    """`ops show` for people: key fields, then the timeline."""
-    as_of = f", as of version {data['as_of']}" if data["as_of"] is not None else ""
-    fields = [
-        ("state", data["state"]),
-        ("tool", f"{data['tool']}@{data['tool_version'] or '?'}"),
-        ("actor", f"{data['actor']} (tenant {data['tenant']}, {data['environment']})"),
-        ("risk", data["risk"]),
-        ("proposal hash", data["proposal_hash"]),
-        *_arguments_fields(data),
-        *_approval_fields(data["approval"], data["approvers"]),
-        ("attempts", f"{data['attempt']} of {data['max_attempts']}"),
-        *(("lease", _lease_text(lease)) for lease in data["leases"]),
-        ("outcome", _compact(data["outcome"])),
-    ]
-    timeline = render_table(
-        ("VERSION", "TYPE", "TIME (UTC)", "SUMMARY"),
-        ((e["version"], e["type"], _when(e["timestamp"]), e["summary"]) for e in data["timeline"]),
-    )
-    header = f"Operation {data['operation_id']} (version {data['version']}{as_of})"
-    body = _render_fields(fields, width=20)
-    return "\n".join([header, body, "", "Timeline", _indent(timeline)])
-
-
-def _arguments_fields(data: dict[str, Any]) -> list[tuple[str, Any]]:
-    fields: list[tuple[str, Any]] = []
-    if data["arguments"] is not None:
-        fields.append(("arguments", _compact(data["arguments"])))
-    else:
-        fields.append(("proposed arguments", _compact(data["proposed_arguments"])))
-    fields.extend(
-        ("issue", f"{i.get('code')} at {i.get('path') or '/'}: {i.get('message')}")
-        for i in data["issues"]
-    )
-    return fields
-
-
-def _approval_fields(
-    approval: dict[str, Any] | None, approvers: list[str]
-) -> list[tuple[str, Any]]:
-    if approval is None:
-        return [("approval", "not required")]
-    preview = approval.get("effect_preview") or {}
-    reversible = "reversible" if preview.get("reversible") else "not reversible"
-    roles = ", ".join(approval["approver_roles"])
-    return [
-        (
-            "approval",
-            f"{approval['approval_id']}: {len(approvers)} of "
-            f"{approval['required_approvals']} from {roles}, "
-            f"expires {_when(approval['expires_at'])}",
-        ),
-        ("approved by", ", ".join(approvers) or "-"),
-        ("effect", f"{preview.get('effect')} ({reversible})"),
-        ("risk reasons", "; ".join(preview.get("risk_reasons") or []) or "-"),
-    ]
-
-
-def _lease_text(lease: dict[str, Any]) -> str:
-    return (
-        f"attempt {lease['attempt']} by {lease['executor']}, token {lease['fencing_token']},"
-        f" until {_when(lease['expires_at'])}"
-    )
-
-
-def _render_fields(fields: Sequence[tuple[str, Any]], width: int = 16) -> str:
-    return "\n".join(f"  {label + ':':<{width}}{_cell(value)}" for label, value in fields)
-
-
-def _indent(text: str) -> str:
-    return "\n".join(f"  {line}" for line in text.splitlines())
-
-
-def render_report(data: dict[str, Any]) -> str:
-    """`audit verify` for people: the counts, the heads, every finding and notice."""
-    head = data["signed_head"]
-    fields = [
-        ("events checked", data["events_checked"]),
-        ("operations checked", data["operations_checked"]),
-        ("sealed events", data["sealed_events"]),
-        ("unsealed events", data["unsealed_events"]),
-        ("head digest", data["head_digest"]),
-        (
-            "signed head",
-            f"#{head['position']} at {head['sealed_at']} by {head['public_key']}"
-            if head
-            else "none (no seal signed by a trusted key)",
-        ),
-        ("past signed head", data["events_past_signed_head"]),
-        ("view rows checked", data["view_rows_checked"]),
-        ("results checked", data["results_checked"]),
-    ]
-    if data["feed_events_checked"] is not None:
-        fields.append(("feed events checked", data["feed_events_checked"]))
-    findings = data["findings"]
-    verdict = (
-        "OK: every event matches its chain and the signed seal;"
-        " the view and kept results match the events"
-        if data["ok"]
-        else f"FAILED: {len(findings)} finding(s)"
-    )
-    lines = [_render_fields(fields, width=22), verdict]
-    lines.extend(f"  {finding['description']}" for finding in findings)
-    if data["notices"]:
-        lines.append(f"notices: {len(data['notices'])}")
-        lines.extend(f"  {notice['description']}" for notice in data["notices"])
-    return "\n".join(lines)
-
-
-def render_head(data: dict[str, Any]) -> str:
-    """`audit head` for people: the fields, then the one line to keep."""
-    fields = [
-        ("position", data["position"]),
-        ("digest", data["digest"]),
-        ("sealed at", data["sealed_at"]),
-        ("public key", data["public_key"]),
-        ("signature", data["signature"]),
-    ]
-    return "\n".join(
-        [
-            _render_fields(fields, width=12),
-            "keep this line; give it back to `audit verify --expect-head`:",
-            data["anchor"],
-        ]
-    )
-
-
-def render_rebuild(data: dict[str, Any]) -> str:
-    """`ops rebuild` for people."""
-    return f"rebuilt the operations view from {data['events_projected']} events"
-
-
-def render_export(data: dict[str, Any]) -> str:
-    """`audit export`'s count, for stderr."""
-    target = "stdout" if data["output"] == "-" else data["output"]
-    return f"exported {data['exported']} events to {target}"
-
-
-def render_pending(rows: list[dict[str, Any]]) -> str:
-    """`approvals list` for people."""
-    if not rows:
-        return "no operations await approval"
-    headers = (
-        "OPERATION",
-        "APPROVAL",
-        "TOOL",
-        "ACTOR",
-        "TENANT",
-        "RISK",
-        "APPROVALS",
-        "EXPIRES (UTC)",
-    )
-    return render_table(
-        headers,
-        (
-            (
-                r["operation_id"],
-                r["approval_id"],
-                f"{r['tool']}@{r['tool_version']}",
-                r["actor"],
-                r["tenant"],
-                r["risk"],
-                f"{r['approvals_granted']}/{r['approvals_required']}",
-                _when(r["approval_expires_at"]),
-            )
-            for r in rows
-        ),
-    )
-
-
-_EFFECTS = {
-    "pure_read": "reads data only; changes nothing",
-    "external_read": "reads data from an outside service; changes nothing",
-    "reversible_write": "changes data; the change can be undone",
-    "irreversible_write": "changes data; this CANNOT be undone",
-}
-
-
-def render_approval(data: dict[str, Any]) -> str:
-    """`approvals show` for people who are not developers."""
-    granted = len(data["approved_by"])
-    roles = ", ".join(data["approver_roles"]) or "-"
-    who = f"{data['required_approvals']} approval(s) from role {roles}"
-    if data["separation_of_duties"]:
-        who += "; the requester may not approve"
-    fields = [
-        ("What it does", data["summary"]),
-        ("Effect", _EFFECTS.get(data["effect"] or "", data["effect"])),
-        ("Risk", str(data["risk"] or "-").upper()),
-        ("Why this risk", "; ".join(data["risk_reasons"]) or "the tool's usual risk"),
-        (
-            "Requested by",
-            f"{data['requested_by']} (tenant {data['tenant']}, {data['environment']})",
-        ),
-        ("Why approval", data["reason"]),
-        ("Who approves", who),
-        ("Approved so far", ", ".join(data["approved_by"]) or "nobody"),
-        ("Expires", f"{_when(data['expires_at'])} UTC"),
-    ]
-    lines = [
-        f"Approval request {data['approval_id']} for {data['tool']} (version "
-        f"{data['tool_version']})",
-        f"Operation {data['operation_id']}: {data['state'].replace('_', ' ')} "
-        f"({granted} of {data['required_approvals']} approvals)",
-        "",
-        _render_fields(fields, width=18),
-        "",
-        "Arguments (exactly what will run):",
-        *_argument_lines(data["arguments"], data["applied_defaults"]),
-        "",
-        f"Proposal hash: {data['proposal_hash']}",
-    ]
-    if data["state"] == OperationState.AWAITING_APPROVAL.value:
-        lines.extend(_decision_hints(data))
-    return "\n".join(lines)
-
-
-def _argument_lines(arguments: Any, defaults: list[str]) -> list[str]:
-    if not isinstance(arguments, dict) or not arguments:
-        return [f"  {_compact(arguments)}"]
-    width = max(len(name) for name in arguments) + 2
-    lines = [f"  {name + ':':<{width}}{_argument_text(value)}" for name, value in arguments.items()]
-    if defaults:
-        lines.append(f"  (filled in by default: {', '.join(d.lstrip('/') for d in defaults)})")
-    return lines
-
-
-def _argument_text(value: Any) -> str:
-    if isinstance(value, list) and all(isinstance(v, str | int | float) for v in value):
-        return ", ".join(str(v) for v in value)
-    return _compact(value)
-
-
-def _decision_hints(data: dict[str, Any]) -> list[str]:
-    role = (data["approver_roles"] or ["ROLE"])[0]
-    operation = data["operation_id"]
-    return [
-        "",
-        "To approve exactly this call:",
-        f"  opledger approvals approve {operation} --as YOUR_NAME --role {role} "
-        f"--proposal-hash {data['proposal_hash']}",
-        "To deny it:",
-        f'  opledger approvals deny {operation} --as YOUR_NAME --reason "..."',
-    ]
-
-
-def render_decision(data: dict[str, Any]) -> str:
-    """`approvals approve` / `deny` for people."""
-    operation, state = data["operation_id"], data["state"]
-    if data["decision"] == "denied":
-        return f"denied {operation} as {data['by']}: it will not run (state {state})"
-    granted, required = len(data["approved_by"]), data["required_approvals"]
-    following = (
-        "it is ready to run"
-        if state == OperationState.READY.value
-        else f"{required - granted} more approval(s) needed"
-    )
-    return (
-        f"approved {operation} as {data['by']} ({granted} of {required} approvals): "
-        f"{following} (state {state})"
-    )
 
 
 if __name__ == "__main__":  # pragma: no cover
