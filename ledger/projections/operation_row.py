@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from ledger.domain.event_kinds import event_kind
+from ledger.domain.event_kinds import EVENT_KINDS, EventKind, StateAfter
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 
@@ -158,15 +158,30 @@ def _proposed_row(operation_id: str, version: int, state: dict[str, Any]) -> Row
 def _changes(row: Row, version: int, kind: str, state: dict[str, Any]) -> Row:
     """The columns one event (not the first) changes, computed before any is written."""
     changes: Row = {"updated_at": _normalized(state["timestamp"]), "last_version": version}
-    registered = event_kind(kind)
-    if registered is None:
+    fold = _FOLD.get(kind)
+    if fold is None:
         return changes
-    changes["state"] = registered.state_after(state, OperationState(row["state"])).value
-    for column, value in _COLUMNS.get(registered.event, {}).items():
+    after, columns, counts_approval = fold
+    if isinstance(after, str):
+        changes["state"] = after
+    elif after is not None:
+        changes["state"] = after(state, OperationState(row["state"])).value
+    for column, value in columns.items():
         changes[column] = value(state) if callable(value) else value
-    if registered.event is Operation.ApprovalGranted:
+    if counts_approval:
         changes["approvals_granted"] = row["approvals_granted"] + 1
     return changes
+
+
+def _fold_of(kind: EventKind) -> tuple[str | StateAfter | None, _Setter, bool]:
+    after = kind.state.value if isinstance(kind.state, OperationState) else kind.state
+    counts_approval = kind.event is Operation.ApprovalGranted
+    return after, _COLUMNS.get(kind.event, {}), counts_approval
+
+
+# Per stored type name, what folding it does, computed once from the registry
+# (the fold runs for every event the view and verification read).
+_FOLD = {kind.name: _fold_of(kind) for kind in EVENT_KINDS.values()}
 
 
 def fold_stored(
