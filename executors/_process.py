@@ -356,6 +356,11 @@ class ItemProcessor:
 
     def _busy_delay(self, reply: LeaseReply) -> float:
         low, high = self._busy_bounds
+        if reply.not_before is not None:
+            # A retry's backoff: back exactly then (a short margin for clocks),
+            # never spinning on the lease before it.
+            wait = (reply.not_before - self._clock()).total_seconds() + 0.05
+            return min(max(wait, 0.05), high)
         if reply.lease_expires_at is None:
             return min(low * 5, high)
         # Until shortly after the other lease runs out: by then its holder has

@@ -248,6 +248,17 @@ class ToolContract(_Frozen):
     )
     max_repair_attempts: int = Field(default=2, ge=0, le=10)
 
+    @model_validator(mode="after")
+    def _irreversible_writes_are_not_retried(self) -> ToolContract:
+        # A failed attempt of an irreversible write may still have had its
+        # effect; retrying it is a human's or reconciliation's call, never a policy's.
+        if self.effect is EffectClass.IRREVERSIBLE_WRITE and self.retry.max_attempts > 1:
+            raise ValueError(
+                "an irreversible write is never retried automatically: retry.max_attempts"
+                f" must be 1, not {self.retry.max_attempts}"
+            )
+        return self
+
     @cached_property
     def input_schema_hash(self) -> str:
         """SHA-256 of the canonical input schema."""

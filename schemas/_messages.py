@@ -90,6 +90,10 @@ class LeaseReply(WireModel):
     lease_expires_at: datetime | None = None
     timeout_ms: int | None = None
     proposal_hash: str | None = None
+    not_before: datetime | None = Field(
+        default=None,
+        description="With busy: a scheduled retry may not run before this time; ask again then.",
+    )
     reason: str = ""
 
 

@@ -158,6 +158,7 @@ class Operation(BaseAggregate[str]):
             aggregate.leases = ()
             aggregate.outcome = None
             aggregate.cancel_requested = False
+            aggregate.not_before = None
 
     class Validated(Event):
         """The layered check passed: the call is well-formed, allowed, and its risk known."""
@@ -419,6 +420,7 @@ class Operation(BaseAggregate[str]):
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.READY
             aggregate.outcome = None
+            aggregate.not_before = self.not_before
 
     class StaleResultRecorded(Event):
         """A result arrived with an old fencing token; it changes nothing."""
@@ -508,6 +510,8 @@ class Operation(BaseAggregate[str]):
         leases: tuple[Lease, ...]
         outcome: Outcome | None
         cancel_requested: bool
+        not_before: datetime | None
+        """A scheduled retry may not be leased before this time (`RetryScheduled`)."""
 
     # ------------------------------------------------------------- commands
 

@@ -43,7 +43,8 @@ class Leasing:
         `tool` is the tool the executor is authenticated for (from its subject);
         an operation of another tool is answered `OperationNotFound`, exactly
         as an unknown ID is, and nothing is appended.
-        READY: a new lease and fencing token, with the exact approved arguments.
+        READY: a new lease and fencing token, with the exact approved arguments;
+        a scheduled retry before its `not_before`: BUSY with `not_before`.
         A live lease held by someone: BUSY (try later). An expired lease or an
         unknown outcome: RECONCILE (look the outcome up, never run again).
         Anything final: DONE, which is how redelivered work items converge.
@@ -69,6 +70,15 @@ class Leasing:
             contract.timeout_ms if contract else int(self._lease_grace.total_seconds() * 1000)
         )
         if state is OperationState.READY:
+            if operation.not_before is not None and now < operation.not_before:
+                # A scheduled retry's backoff: the executor waits (a delayed nak)
+                # until then, rather than asking again and again.
+                return LeaseReply(
+                    decision=LeaseDecision.BUSY,
+                    operation_id=operation.id,
+                    not_before=operation.not_before,
+                    reason=f"retry not before {operation.not_before}",
+                )
             ttl = timedelta(milliseconds=timeout_ms) + self._lease_grace
             token = operation.claim_lease(executor=executor, ttl=ttl, now=now)
             return _lease_reply(LeaseDecision.EXECUTE, operation, token, timeout_ms)

@@ -128,5 +128,8 @@ class ResultRecording:
             if operation.can_retry:
                 contract = self._contracts.of(operation)
                 delay = contract.retry.backoff_ms(operation.attempt) if contract else 0
+                # The tool's own word counts too: a provider's Retry-After, a rate limit.
+                if error is not None and error.retry_after_ms is not None:
+                    delay = max(delay, error.retry_after_ms)
                 operation.schedule_retry(not_before=now + timedelta(milliseconds=delay), now=now)
         return disposition

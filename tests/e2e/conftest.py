@@ -112,11 +112,14 @@ class BackendStack:
         return build_ledger(self.storage, resolver=resolver, rules=rules,
                             contracts_dir=self.contracts)
 
-    def start_executor(self, tool: str, *options: str) -> subprocess.Popen[bytes]:
-        """One executor process of the sample `tool`, with its own credentials."""
+    def start_executor(
+        self, tool: str, *options: str, spec: str | None = None
+    ) -> subprocess.Popen[bytes]:
+        """One executor process of `tool` (the sample one, or `spec`), with its own
+        credentials."""
         name = f"executor-{tool}-{len(self.executors)}"
         process = subprocess.Popen(
-            [sys.executable, "-m", "executors", "run", SAMPLE_TOOLS[tool],
+            [sys.executable, "-m", "executors", "run", spec or SAMPLE_TOOLS[tool],
              "--creds", str(self.credentials.executor(tool).seed_path),
              "--nats-url", self.server.url, "--contracts", str(self.contracts),
              "--name", name, *options],

@@ -52,6 +52,7 @@ def reply(
     timeout_ms: int | None = None,
     lease_expires_at: datetime | None = None,
     version: str | None = None,
+    not_before: datetime | None = None,
 ) -> LeaseReply:
     """A lease reply of the ledger."""
     return LeaseReply(
@@ -64,6 +65,7 @@ def reply(
         attempt=attempt,
         timeout_ms=timeout_ms,
         lease_expires_at=lease_expires_at,
+        not_before=not_before,
     )
 
 

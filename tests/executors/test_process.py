@@ -170,6 +170,31 @@ def test_busy_naks_until_the_other_lease_runs_out(expires_in: timedelta, expecte
     assert calls.run == []
 
 
+@pytest.mark.parametrize(
+    ("not_before_in", "expected"),
+    [(timedelta(milliseconds=400), 0.45), (timedelta(seconds=12), 12.05),
+     (timedelta(seconds=90), 30.0), (timedelta(seconds=-1), 0.05)],
+)
+def test_busy_until_a_retrys_backoff_naks_exactly_until_then(
+    not_before_in: timedelta, expected: float
+) -> None:
+    """A scheduled retry is put back until its `not_before` (clamped to the busy bound),
+    never asked for again sooner; shorter than the busy floor is not rounded up."""
+    now = datetime(2026, 7, 1, 12, 0, tzinfo=UTC)
+    calls = Calls()
+    ledger = FakeLedger(
+        reply(LeaseDecision.BUSY, "op-1", READ, fencing_token=None, not_before=now + not_before_in)
+    )
+    result = process(
+        processor(returning(READ, READ_OUT, calls), clock=lambda: now),
+        work_item("op-1", READ),
+        ledger,
+    )
+    assert (result.action, result.reason) == (ItemAction.NAK, "busy")
+    assert result.delay_s == pytest.approx(expected)
+    assert calls.run == []
+
+
 def test_busy_without_an_expiry_waits_a_default_delay() -> None:
     ledger = FakeLedger(reply(LeaseDecision.BUSY, "op-1", READ))
     result = process(processor(returning(READ, READ_OUT)), work_item("op-1", READ), ledger)

@@ -211,7 +211,9 @@ def test_the_view_names_operations_left_ready(ledger: Ledger) -> None:
     assert ledger.projector.ready_since_before(now - timedelta(hours=1)) == []
 
 
-def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
+def test_fencing_retry_and_stale_results(storage: StorageConfig) -> None:
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
     ledger.submit(search("op-1"), ALICE)
     first = ledger.lease("op-1", executor="exec-1")
     failure = {"code": "UPSTREAM_TIMEOUT", "category": "TRANSIENT", "message": "timeout",
@@ -220,6 +222,7 @@ def test_fencing_retry_and_stale_results(ledger: Ledger) -> None:
                                               error=failure))
     assert disposition is ResultDisposition.ACCEPTED
     assert ledger.get("op-1").state is S.READY  # retry scheduled by the contract's policy
+    now[0] += timedelta(minutes=1)  # past the contract's backoff
     second = ledger.lease("op-1", executor="exec-2")
     assert (second.fencing_token, second.attempt) == (2, 2)
     late = ledger.record_result(result("op-1", first.fencing_token, data={"items": []}))
@@ -496,3 +499,29 @@ def test_status_of_a_pending_approval_is_not_final(ledger: Ledger) -> None:
     ledger.submit(email("mail-1"), ALICE)
     status = ledger.status("mail-1")
     assert (status.state, status.final, status.result) == ("awaiting_approval", False, None)
+
+
+def test_a_retry_is_not_leased_before_its_backoff(storage: StorageConfig) -> None:
+    """Before: attempt 2 was leased at once, whatever `not_before` and the tool said."""
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    for operation_id, retry_after_ms in (("op-policy", None), ("op-tool", 60_000)):
+        ledger.submit(search(operation_id), ALICE)
+        first = ledger.lease(operation_id, executor="exec-1")
+        failure = {"code": "RATE_LIMITED", "category": "TRANSIENT", "message": "slow down",
+                   "retryable": True, "retry_after_ms": retry_after_ms}
+        ledger.record_result(result(operation_id, first.fencing_token, ok=False, error=failure))
+    contract = ledger.checker.catalog["search_documents"]
+    backoff = timedelta(milliseconds=contract.retry.backoff_ms(1))
+    assert timedelta(0) < backoff < timedelta(seconds=60)
+    expected = {"op-policy": now[0] + backoff, "op-tool": now[0] + timedelta(seconds=60)}
+    for operation_id, not_before in expected.items():
+        early = ledger.lease(operation_id, executor="exec-2")
+        assert (early.decision, early.not_before) == (LeaseDecision.BUSY, not_before)
+        assert ledger.get(operation_id).fencing_token == 1  # nothing leased, nothing appended
+    now[0] += backoff
+    assert ledger.lease("op-policy", executor="exec-2").decision is LeaseDecision.EXECUTE
+    assert ledger.lease("op-tool", executor="exec-2").decision is LeaseDecision.BUSY
+    now[0] = expected["op-tool"]
+    second = ledger.lease("op-tool", executor="exec-2")
+    assert (second.decision, second.attempt) == (LeaseDecision.EXECUTE, 2)

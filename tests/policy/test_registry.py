@@ -60,6 +60,28 @@ def test_missing_contract_field_names_the_field(tmp_path: Path) -> None:
     assert caught.value.pointer == "/timeout_ms"
 
 
+@pytest.mark.parametrize(("effect", "attempts", "refused"), [
+    ("irreversible_write", 2, True),
+    ("irreversible_write", 1, False),
+    ("reversible_write", 3, False),
+    ("pure_read", 2, False),
+])
+def test_a_contract_that_would_auto_retry_an_irreversible_write_is_refused(
+    tmp_path: Path, effect: str, attempts: int, refused: bool
+) -> None:
+    """A failed irreversible write may have had its effect: no policy retries it blindly."""
+    document = contract_document()
+    document["effect"] = effect
+    document["retry"] = {"max_attempts": attempts, "retry_on": ["TRANSIENT"]}
+    path = _write(tmp_path, "retry.yaml", document)
+    if not refused:
+        assert ContractRegistry().load_file(path)
+        return
+    with pytest.raises(ContractError) as caught:
+        ContractRegistry().load_file(path)
+    assert "irreversible write is never retried automatically" in str(caught.value)
+
+
 def test_unparseable_file_is_a_contract_error(tmp_path: Path) -> None:
     path = tmp_path / "broken.json"
     path.write_text("{not json")
