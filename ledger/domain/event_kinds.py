@@ -71,6 +71,10 @@ def _reconciled(fields: Mapping[str, Any], _before: OperationState) -> Operation
     return S.SUCCEEDED if fields["outcome"] == "succeeded" else S.FAILED
 
 
+def _execution_refused(fields: Mapping[str, Any], _before: OperationState) -> OperationState:
+    return S.APPROVAL_EXPIRED if fields["code"] == "approval_expired" else S.REJECTED
+
+
 def _cancel_requested(_fields: Mapping[str, Any], before: OperationState) -> OperationState:
     # Only a running operation waits for its executor; anything else is
     # cancelled by the `Cancelled` that follows in the same append.
@@ -142,6 +146,12 @@ _KINDS = (
         Op.LeaseExpired,
         lambda e: f"lease {e.fencing_token} expired; outcome unknown",
         state=S.OUTCOME_UNKNOWN,
+    ),
+    EventKind(
+        Op.ExecutionRefused,
+        lambda e: f"refused at execution ({e.code}): {e.reason}",
+        state=_execution_refused,
+        settles=True,
     ),
     EventKind(
         Op.Succeeded,

@@ -54,6 +54,7 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
     "deny_approval": frozenset({S.AWAITING_APPROVAL}),
     "expire_approval": frozenset({S.AWAITING_APPROVAL}),
     "claim_lease": frozenset({S.READY}),
+    "refuse_execution": frozenset({S.READY}),
     "expire_lease": frozenset({S.EXECUTING, S.CANCEL_REQUESTED}),
     "record_result": frozenset(
         {
@@ -279,6 +280,9 @@ class Operation(BaseAggregate[str]):
         fencing_token: int
         attempt: int
         lease_expires_at: datetime
+        checked: dict[str, Any] = Field(default_factory=dict)
+        """What the lease re-checked before handing the call out (contract version in
+        force, until when the approval held); empty before these checks existed."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.EXECUTING
@@ -300,6 +304,24 @@ class Operation(BaseAggregate[str]):
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.OUTCOME_UNKNOWN
             aggregate.lease = None
+
+    class ExecutionRefused(Event):
+        """At the lease, the call no longer holds and will not run: its approval expired
+        (`approval_expired`) or the contract it was checked against is no longer in
+        force (`permission_changed`)."""
+
+        code: Literal["approval_expired", "permission_changed"]
+        reason: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            if self.code == "approval_expired":
+                aggregate.state = S.APPROVAL_EXPIRED
+                aggregate.outcome = Outcome(OutcomeStatus.APPROVAL_EXPIRED, code=self.code)
+            else:
+                aggregate.state = S.REJECTED
+                aggregate.outcome = Outcome(
+                    OutcomeStatus.REJECTED, category="POLICY_DENIED", code=self.code
+                )
 
     class Succeeded(Event):
         """The tool reported success with a result that passed its output contract."""
@@ -730,9 +752,22 @@ class Operation(BaseAggregate[str]):
             raise IllegalTransition("the approval has not expired yet", operation_id=self.id)
         self._trigger(self.ApprovalExpired, now, approval_id=self.approval.approval_id)
 
-    def claim_lease(self, *, executor: str, ttl: timedelta, now: datetime) -> int:
-        """Hand the operation to `executor`; returns the new, larger fencing token."""
+    def claim_lease(
+        self,
+        *,
+        executor: str,
+        ttl: timedelta,
+        now: datetime,
+        checked: dict[str, Any] | None = None,
+    ) -> int:
+        """Hand the operation to `executor`; returns the new, larger fencing token.
+
+        `checked`: what the caller re-checked first, recorded with the lease.
+        An approval that lapsed is refused here too: `refuse_execution` first.
+        """
         self._guard("claim_lease")
+        if self.approval_lapsed(now):
+            raise IllegalTransition("the approval has expired", operation_id=self.id)
         token = self.fencing_token + 1
         self._trigger(
             self.LeaseClaimed,
@@ -741,8 +776,24 @@ class Operation(BaseAggregate[str]):
             fencing_token=token,
             attempt=self.attempt + 1,
             lease_expires_at=now + ttl,
+            checked=dict(checked or {}),
         )
         return token
+
+    def approval_lapsed(self, now: datetime) -> bool:
+        """Whether this call was approved and its approval no longer holds at `now`."""
+        return self.approval is not None and now >= self.approval.expires_at
+
+    def refuse_execution(
+        self,
+        *,
+        code: Literal["approval_expired", "permission_changed"],
+        reason: str,
+        now: datetime,
+    ) -> None:
+        """The call will not run: what it was approved or checked against lapsed."""
+        self._guard("refuse_execution")
+        self._trigger(self.ExecutionRefused, now, code=code, reason=reason[:500])
 
     def expire_lease(self, now: datetime) -> None:
         """The lease ran out without a result: the outcome is now unknown."""

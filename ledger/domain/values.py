@@ -84,6 +84,8 @@ class Outcome:
     envelope_hash: str = ""
     """SHA-256 of the exact envelope text kept under `result_ref` ("" before it existed)."""
     code: str = ""
+    """A failure's error code; for a call refused at execution, why
+    (`approval_expired`, `permission_changed`)."""
     category: str = ""
     """The error category of a failure, or the finding category of a rejection."""
     retryable: bool = False
@@ -111,9 +113,11 @@ class Outcome:
                 "attempt": self.attempt,
             }
         elif status is OutcomeStatus.REJECTED:
-            return {"status": status.value, "category": self.category}
+            rejected = {"status": status.value, "category": self.category}
+            return rejected | {"code": self.code} if self.code else rejected
         elif status is OutcomeStatus.APPROVAL_EXPIRED:
-            return {"status": status.value}
+            expired = {"status": status.value}
+            return expired | {"code": self.code} if self.code else expired
         else:  # denied or cancelled
             return {"status": status.value, "by": self.by}
         if self.reconciled:

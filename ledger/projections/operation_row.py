@@ -97,6 +97,7 @@ _COLUMNS: dict[type[Operation.Event], _Setter] = {
         "lease_expires_at": lambda e: _normalized(e["lease_expires_at"]),
     },
     Operation.Cancelled: {"approval_id": None},
+    Operation.ExecutionRefused: {"approval_id": None},
 }
 
 

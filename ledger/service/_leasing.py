@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from functools import partial
+from typing import Any
 
 from ledger.domain.errors import LedgerError, OperationNotFound
 from ledger.domain.operation import Operation
@@ -45,6 +46,8 @@ class Leasing:
         as an unknown ID is, and nothing is appended.
         READY: a new lease and fencing token, with the exact approved arguments;
         a scheduled retry before its `not_before`: BUSY with `not_before`.
+        READY but its approval lapsed, or its contract no longer in force: the
+        call is refused (`ExecutionRefused`) and answered DONE.
         A live lease held by someone: BUSY (try later). An expired lease or an
         unknown outcome: RECONCILE (look the outcome up, never run again).
         Anything final: DONE, which is how redelivered work items converge.
@@ -70,6 +73,25 @@ class Leasing:
             contract.timeout_ms if contract else int(self._lease_grace.total_seconds() * 1000)
         )
         if state is OperationState.READY:
+            # Checked again now, not only at the proposal: the approval's window
+            # and the contract in force (seed 001's permission_changed).
+            approval = operation.approval
+            if approval is not None and operation.approval_lapsed(now):
+                operation.refuse_execution(
+                    code="approval_expired",
+                    reason=f"approved until {approval.expires_at}, leased at {now}",
+                    now=now,
+                )
+                return _done(operation)
+            if contract is None:
+                current = self._contracts.get(operation.tool)
+                operation.refuse_execution(
+                    code="permission_changed",
+                    reason=f"checked against {operation.tool} {operation.tool_version}, in force"
+                    f" now: {current.version if current is not None else 'no contract'}",
+                    now=now,
+                )
+                return _done(operation)
             if operation.not_before is not None and now < operation.not_before:
                 # A scheduled retry's backoff: the executor waits (a delayed nak)
                 # until then, rather than asking again and again.
@@ -80,7 +102,10 @@ class Leasing:
                     reason=f"retry not before {operation.not_before}",
                 )
             ttl = timedelta(milliseconds=timeout_ms) + self._lease_grace
-            token = operation.claim_lease(executor=executor, ttl=ttl, now=now)
+            checked: dict[str, Any] = {"contract_version": contract.version}
+            if operation.approval is not None:
+                checked["approval_valid_until"] = operation.approval.expires_at.isoformat()
+            token = operation.claim_lease(executor=executor, ttl=ttl, now=now, checked=checked)
             return _lease_reply(LeaseDecision.EXECUTE, operation, token, timeout_ms)
         if state in (OperationState.EXECUTING, OperationState.CANCEL_REQUESTED):
             lease = operation.lease
@@ -97,9 +122,13 @@ class Leasing:
             return _lease_reply(
                 LeaseDecision.RECONCILE, operation, operation.fencing_token, timeout_ms
             )
-        return LeaseReply(
-            decision=LeaseDecision.DONE, operation_id=operation.id, reason=operation.state.value
-        )
+        return _done(operation)
+
+
+def _done(operation: Operation) -> LeaseReply:
+    return LeaseReply(
+        decision=LeaseDecision.DONE, operation_id=operation.id, reason=operation.state.value
+    )
 
 
 def _lease_reply(

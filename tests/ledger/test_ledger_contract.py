@@ -21,6 +21,8 @@ from ledger import (
     StorageConfig,
     Submission,
 )
+from policy import ContractRegistry
+from policy.catalog import CATALOG_DIR
 from schemas import DecisionOutcome, LeaseDecision, ToolProposal
 from tests.ledger.helpers import (
     ALICE,
@@ -525,3 +527,76 @@ def test_a_retry_is_not_leased_before_its_backoff(storage: StorageConfig) -> Non
     now[0] = expected["op-tool"]
     second = ledger.lease("op-tool", executor="exec-2")
     assert (second.decision, second.attempt) == (LeaseDecision.EXECUTE, 2)
+
+
+def _approved_email(ledger: Ledger, operation_id: str) -> None:
+    ledger.submit(email(operation_id), ALICE)
+    approval = ledger.get(operation_id).approval
+    assert approval is not None
+    ledger.approve(operation_id, approver="lead", approver_roles=["support_lead"],
+                   proposal_hash=approval.effect_preview["proposal_hash"])
+
+
+def test_an_approval_that_lapsed_before_the_lease_is_not_run(storage: StorageConfig) -> None:
+    """Before: an e-mail approved, then leased 30 days after its approval's expiry, ran."""
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    _approved_email(ledger, "mail-late")
+    approval = ledger.get("mail-late").approval
+    assert approval is not None
+    now[0] = approval.expires_at + timedelta(days=30)
+    reply = ledger.lease("mail-late", executor="exec-1", tool="send_customer_email")
+    assert (reply.decision, reply.reason) == (LeaseDecision.DONE, "approval_expired")
+    assert reply.arguments is None and reply.fencing_token is None  # nothing to run with
+    operation = ledger.get("mail-late")
+    assert operation.state is S.APPROVAL_EXPIRED and operation.fencing_token == 0
+    assert event_types(ledger, "mail-late")[-1] == "ExecutionRefused"
+    status = ledger.status("mail-late")
+    assert status.final
+    assert status.outcome == {"status": "approval_expired", "code": "approval_expired"}
+    # A redelivered work item converges on the same answer, appending nothing.
+    assert ledger.lease("mail-late", executor="exec-2").decision is LeaseDecision.DONE
+    assert event_types(ledger, "mail-late").count("ExecutionRefused") == 1
+
+
+def test_the_lease_records_what_it_checked(storage: StorageConfig) -> None:
+    ledger = make_ledger(storage)
+    _approved_email(ledger, "mail-ok")
+    reply = ledger.lease("mail-ok", executor="exec-1", tool="send_customer_email")
+    assert reply.decision is LeaseDecision.EXECUTE
+    operation = ledger.get("mail-ok")
+    assert operation.approval is not None
+    claimed = ledger.history("mail-ok")[-1]
+    assert type(claimed).__name__ == "LeaseClaimed"
+    assert claimed.checked == {
+        "contract_version": operation.tool_version,
+        "approval_valid_until": operation.approval.expires_at.isoformat(),
+    }
+
+
+def test_a_call_checked_against_a_contract_no_longer_in_force_is_refused(
+    storage: StorageConfig,
+) -> None:
+    """The contract changed between the check and the lease: permission_changed, not run."""
+    first = make_ledger(storage)
+    first.submit(search("op-old-contract"), ALICE)
+    pinned = first.get("op-old-contract").tool_version
+    first.close()
+    bumped = ContractRegistry()
+    for contract in ContractRegistry.from_directory(CATALOG_DIR).pin_latest().values():
+        if contract.name == "search_documents":
+            contract = contract.model_copy(update={"version": "9.0.0"})
+        bumped.register(contract)
+    second = make_ledger(storage, registry=bumped)
+    reply = second.lease("op-old-contract", executor="exec-1", tool="search_documents")
+    assert (reply.decision, reply.reason) == (LeaseDecision.DONE, "rejected")
+    operation = second.get("op-old-contract")
+    assert operation.state is S.REJECTED and operation.fencing_token == 0
+    refused = second.history("op-old-contract")[-1]
+    assert type(refused).__name__ == "ExecutionRefused"
+    assert refused.code == "permission_changed"
+    assert pinned in refused.reason and "9.0.0" in refused.reason
+    assert second.status("op-old-contract").outcome == {
+        "status": "rejected", "category": "POLICY_DENIED", "code": "permission_changed"
+    }
+    second.close()

@@ -122,10 +122,11 @@ def test_routes_are_learnt_from_the_events_that_name_them() -> None:
     assert routes.get("h1/op-2") is None
 
 
-def test_the_registry_names_the_same_dispatching_and_settling_events_as_before() -> None:
+def test_the_registry_names_the_dispatching_and_settling_events() -> None:
+    """The relay's sets before the registry, plus ExecutionRefused (a refusal at the lease)."""
     kinds = EVENT_KINDS.values()
     assert {kind.name for kind in kinds if kind.dispatches} == {"Readied", "RetryScheduled"}
     assert {kind.name for kind in kinds if kind.settles} == {
         "Succeeded", "Failed", "Rejected", "ApprovalDenied", "ApprovalExpired", "Cancelled",
-        "Reconciled",
+        "Reconciled", "ExecutionRefused",
     }

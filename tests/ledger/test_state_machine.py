@@ -174,6 +174,9 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
     ),
     "expire_approval": lambda op: op.expire_approval(LATER),
     "claim_lease": lambda op: op.claim_lease(executor="e2", ttl=timedelta(seconds=30), now=T0),
+    "refuse_execution": lambda op: op.refuse_execution(
+        code="permission_changed", reason="contract 1.0.0 no longer in force", now=T0
+    ),
     "expire_lease": lambda op: op.expire_lease(LATER),
     "record_result": lambda op: op.record_result(
         fencing_token=op.fencing_token, executor="e", outcome="succeeded", output_hash="o1", now=T0
@@ -202,6 +205,7 @@ EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.AWAITING_APPROVAL, "expire_approval"): S.APPROVAL_EXPIRED,
     (S.AWAITING_APPROVAL, "request_cancel"): S.CANCELLED,
     (S.READY, "claim_lease"): S.EXECUTING,
+    (S.READY, "refuse_execution"): S.REJECTED,
     (S.READY, "record_result"): S.READY,  # token 0: recorded as stale
     (S.READY, "request_cancel"): S.CANCELLED,
     (S.EXECUTING, "expire_lease"): S.OUTCOME_UNKNOWN,
@@ -245,7 +249,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 14 * 16
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 14 * 17
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])
