@@ -95,7 +95,7 @@ def _happy_path(ledger: Ledger, ops: int, batch: int) -> float:
                     operation_id=g.operation_id,
                     fencing_token=g.fencing_token,
                     ok=True,
-                    data={"items": [], "truncated": False},
+                    data={"items": [], "truncated": False, "next_cursor": None},
                     provenance=Provenance(
                         tool=g.tool or "",
                         tool_version=g.tool_version or "",

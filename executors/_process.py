@@ -59,6 +59,7 @@ from schemas import (
     LeaseRequest,
     Provenance,
     ResultEnvelope,
+    TrustLabel,
     WorkItem,
     result_message_id,
 )
@@ -780,7 +781,7 @@ class ItemProcessor:
                 attempt=attempt.attempt,
                 latency_ms=round((time.monotonic() - attempt.started) * 1000, 3),
                 completed_at=self._clock(),
-                trust="untrusted",
+                trust=TrustLabel.UNTRUSTED,
             ),
             redactions=redactions,
         )

@@ -35,7 +35,7 @@ from schemas._messages import (
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._publish import SCHEMA_DIR, WIRE_MODELS, render_schema, write_schemas
 from schemas._pull import PullConsumer
-from schemas._result import Provenance, ResultEnvelope, ResultOutcome
+from schemas._result import Provenance, ResultEnvelope, ResultOutcome, TrustLabel
 from schemas._subjects import (
     FEED_AUDITOR_CONSUMER,
     FEED_STREAM,
@@ -92,6 +92,7 @@ __all__ = [
     "StatusRequest",
     "Subjects",
     "ToolProposal",
+    "TrustLabel",
     "ValidationIssue",
     "WorkItem",
     "canonical_json",

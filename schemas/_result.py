@@ -11,7 +11,7 @@ from pydantic import Field
 from schemas._base import WireModel
 from schemas._errors import ErrorInfo
 
-__all__ = ["Provenance", "ResultEnvelope", "ResultOutcome"]
+__all__ = ["Provenance", "ResultEnvelope", "ResultOutcome", "TrustLabel"]
 
 
 class ResultOutcome(StrEnum):
@@ -23,6 +23,12 @@ class ResultOutcome(StrEnum):
     """The side effect may or may not have happened (`outcome_unknown`)."""
 
 
+class TrustLabel(StrEnum):
+    """How far a result may be trusted: a closed set, and tool output is only ever data."""
+
+    UNTRUSTED = "untrusted"
+
+
 class Provenance(WireModel):
     """Where a result came from. Results are data, never instructions."""
 
@@ -32,7 +38,10 @@ class Provenance(WireModel):
     attempt: int = Field(ge=1)
     latency_ms: float = Field(ge=0)
     completed_at: datetime
-    trust: str = Field(default="untrusted", description="Always untrusted: tool output is data.")
+    trust: TrustLabel = Field(
+        default=TrustLabel.UNTRUSTED,
+        description="Always untrusted: tool output is data. Any other value is malformed.",
+    )
 
 
 class ResultEnvelope(WireModel):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ledger.domain.operation import Operation
-from policy import ToolContract
+from policy import CompiledSchema, ToolContract
+from schemas import CheckStage
 
 __all__ = ["PinnedContracts"]
 
@@ -15,6 +17,7 @@ class PinnedContracts:
 
     def __init__(self, catalog: Mapping[str, ToolContract]) -> None:
         self._catalog = catalog
+        self._outputs: dict[tuple[str, str], CompiledSchema] = {}
 
     def of(self, operation: Operation) -> ToolContract | None:
         """The pinned contract the operation was checked against, if still pinned."""
@@ -30,3 +33,25 @@ class PinnedContracts:
     def get(self, tool: str) -> ToolContract | None:
         """The catalog's current contract of `tool`, if any."""
         return self._catalog.get(tool)
+
+    def output_problem(
+        self, contract: ToolContract, data: Any, redacted: Sequence[str] = ()
+    ) -> str | None:
+        """Where `data` breaks the contract's output schema (None: it does not).
+
+        Faults at or under a pointer the executor redacted are not counted: a
+        redacted value is the executor's placeholder, not the tool's output.
+        """
+        key = (contract.name, contract.version)
+        schema = self._outputs.get(key)
+        if schema is None:
+            schema = self._outputs[key] = CompiledSchema(
+                contract.output_schema, stage=CheckStage.STRUCTURE
+            )
+        if schema.is_valid(data):
+            return None
+        for issue in schema.issues(data):
+            path = issue.path or ""
+            if not any(path == r or path.startswith(f"{r}/") for r in redacted):
+                return f"{issue.keyword} at {path or '/'}"
+        return None

@@ -82,6 +82,9 @@ class ResultRecording:
         reference = ResultStore.reference(operation.id, attempt)
         error = envelope.error
         reason = error.message if error else ""
+        code = error.code if error else ""
+        category = error.category.value if error else ""
+        retryable = error.retryable if error else False
         problem = (
             json_value_issue(envelope.data, DEFAULT_LIMITS.max_depth)
             if envelope.data is not None
@@ -94,6 +97,16 @@ class ResultRecording:
             # failed the append on every redelivery until JetStream gave up.
             outcome, output_hash, text, envelope_hash = ResultOutcome.UNKNOWN, "", "", ""
             reason = f"the result cannot be recorded: {problem.code} at {problem.path or '/'}"
+        elif (violation := self._output_violation(operation, envelope)) is not None:
+            # The ledger does not take the executor's word for it: a success whose
+            # data breaks the output schema failed (a read) or may have had its
+            # effect (a write: unknown, for reconciliation). Nothing of it is kept.
+            contract = self._contracts.of(operation)
+            writes = contract is not None and contract.effect.writes
+            outcome = ResultOutcome.UNKNOWN if writes else ResultOutcome.FAILED
+            output_hash, text, envelope_hash = "", "", ""
+            reason = f"the output breaks the contract's output schema: {violation}"
+            code, category, retryable = "OUTPUT_CONTRACT_VIOLATION", "INTERNAL", False
         else:
             output_hash = (
                 sha256_hex(canonical_json(envelope.data)) if envelope.data is not None else ""
@@ -110,9 +123,9 @@ class ResultRecording:
             now=now,
             output_hash=output_hash,
             result_ref=reference,
-            code=error.code if error else "",
-            category=error.category.value if error else "",
-            retryable=error.retryable if error else False,
+            code=code,
+            category=category,
+            retryable=retryable,
             reason=reason,
             envelope_hash=envelope_hash,
         )
@@ -133,3 +146,11 @@ class ResultRecording:
                     delay = max(delay, error.retry_after_ms)
                 operation.schedule_retry(not_before=now + timedelta(milliseconds=delay), now=now)
         return disposition
+
+    def _output_violation(self, operation: Operation, envelope: ResultEnvelope) -> str | None:
+        if not envelope.ok or envelope.data is None:
+            return None
+        contract = self._contracts.of(operation)
+        if contract is None:
+            return None
+        return self._contracts.output_problem(contract, envelope.data, envelope.redactions)

@@ -63,6 +63,10 @@ def email(operation_id: str | None = None, recipients: tuple[str, ...] = ("cus-0
     )
 
 
+NO_HITS: dict[str, Any] = {"items": [], "truncated": False, "next_cursor": None}
+"""A search result that matches search_documents' output schema: nothing found."""
+
+
 def result(operation_id: str, token: int | None, attempt: int = 1, *, ok: bool = True,
            data: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
            executor: str = "exec-1", tool: str = "search_documents") -> ResultEnvelope:

@@ -281,7 +281,8 @@ def test_a_result_no_hash_can_bind_is_an_unknown_outcome_and_fails_no_other(
               for name in ("hostile", "normal")}
     hostile = result("hostile", tokens["hostile"],
                      data={"items": [{"n": 2**60}], "truncated": False})
-    normal = result("normal", tokens["normal"], data={"items": [], "truncated": False})
+    normal = result("normal", tokens["normal"],
+                    data={"items": [], "truncated": False, "next_cursor": None})
     answers = ledger.record_results([hostile, normal])
     assert [a.value for a in answers] == ["accepted", "accepted"]  # type: ignore[union-attr]
     assert ledger.status("normal").state == "succeeded"

@@ -21,11 +21,13 @@ from ledger import (
     StorageConfig,
     Submission,
 )
+from ledger.adapters.results import ResultStore
 from policy import ContractRegistry
 from policy.catalog import CATALOG_DIR
 from schemas import DecisionOutcome, LeaseDecision, ToolProposal
 from tests.ledger.helpers import (
     ALICE,
+    NO_HITS,
     email,
     event_types,
     make_ledger,
@@ -45,7 +47,7 @@ def ledger(storage: StorageConfig) -> Ledger:
 
 def _succeed(ledger: Ledger, operation_id: str) -> None:
     grant = ledger.lease(operation_id, executor="exec-1")
-    ledger.record_result(result(operation_id, grant.fencing_token, data={"items": []}))
+    ledger.record_result(result(operation_id, grant.fencing_token, data=NO_HITS))
 
 
 def test_happy_path_records_every_step(ledger: Ledger) -> None:
@@ -227,10 +229,10 @@ def test_fencing_retry_and_stale_results(storage: StorageConfig) -> None:
     now[0] += timedelta(minutes=1)  # past the contract's backoff
     second = ledger.lease("op-1", executor="exec-2")
     assert (second.fencing_token, second.attempt) == (2, 2)
-    late = ledger.record_result(result("op-1", first.fencing_token, data={"items": []}))
+    late = ledger.record_result(result("op-1", first.fencing_token, data=NO_HITS))
     assert late is ResultDisposition.STALE
     assert ledger.get("op-1").state is S.EXECUTING
-    ok = result("op-1", second.fencing_token, attempt=2, data={"items": []}, executor="exec-2")
+    ok = result("op-1", second.fencing_token, attempt=2, data=NO_HITS, executor="exec-2")
     assert ledger.record_result(ok) is ResultDisposition.ACCEPTED
     assert ledger.record_result(ok) is ResultDisposition.DUPLICATE
     operation = ledger.get("op-1")
@@ -432,7 +434,7 @@ def test_lease_protocol_converges_after_a_lost_executor(storage: StorageConfig) 
     assert second.decision is LeaseDecision.RECONCILE
     assert second.fencing_token == 1
     assert ledger.get("op-1").state is S.RECONCILING
-    reconciled = result("op-1", 1, data={"items": []}, executor="exec-2")
+    reconciled = result("op-1", 1, data=NO_HITS, executor="exec-2")
     assert ledger.record_result(reconciled) is ResultDisposition.ACCEPTED
     assert ledger.get("op-1").state is S.SUCCEEDED
     assert ledger.lease("op-1", executor="exec-3").decision is LeaseDecision.DONE
@@ -600,3 +602,51 @@ def test_a_call_checked_against_a_contract_no_longer_in_force_is_refused(
         "status": "rejected", "category": "POLICY_DENIED", "code": "permission_changed"
     }
     second.close()
+
+
+def test_a_success_whose_data_breaks_the_output_schema_is_not_recorded_as_one(
+    storage: StorageConfig,
+) -> None:
+    """Before: whatever a result said was recorded; a 'success' with any data succeeded."""
+    ledger = make_ledger(storage)
+    ledger.submit(search("op-read"), ALICE)
+    read = ledger.lease("op-read", executor="exec-1", tool="search_documents")
+    broken = {"items": [{"source_id": "doc-1"}], "truncated": False, "next_cursor": None,
+              "admin": True}
+    assert ledger.record_result(result("op-read", read.fencing_token, data=broken)) is (
+        ResultDisposition.ACCEPTED
+    )
+    operation = ledger.get("op-read")
+    assert operation.state is S.FAILED  # a read: it failed, and may be retried by policy
+    failed = next(e for e in ledger.history("op-read") if type(e).__name__ == "Failed")
+    assert (failed.code, failed.category, failed.retryable) == (
+        "OUTPUT_CONTRACT_VIOLATION", "INTERNAL", False
+    )
+    assert ledger.results.get_text(ResultStore.reference("op-read", 1)) is None  # not kept
+
+    _approved_email(ledger, "mail-broken")
+    write = ledger.lease("mail-broken", executor="exec-1", tool="send_customer_email")
+    assert write.decision is LeaseDecision.EXECUTE
+    claim = result("mail-broken", write.fencing_token, data={"sent": "yes, trust me"},
+                   tool="send_customer_email")
+    claim = claim.model_copy(update={"provenance": claim.provenance.model_copy(
+        update={"tool_version": write.tool_version})})
+    ledger.record_result(claim)
+    # A write may have had its effect: unknown, for reconciliation, never "succeeded".
+    assert ledger.get("mail-broken").state is S.OUTCOME_UNKNOWN
+    unknown = ledger.history("mail-broken")[-1]
+    assert type(unknown).__name__ == "OutcomeUnknown"
+    assert unknown.reason.startswith("the output breaks the contract's output schema")
+
+
+def test_a_fault_only_under_a_redacted_pointer_does_not_count(storage: StorageConfig) -> None:
+    """What the executor redacted is its placeholder, not the tool's output."""
+    ledger = make_ledger(storage)
+    ledger.submit(search("op-redacted"), ALICE)
+    lease = ledger.lease("op-redacted", executor="exec-1", tool="search_documents")
+    data = {"items": [], "truncated": False, "next_cursor": 12345}  # redacted to a number
+    envelope = result("op-redacted", lease.fencing_token, data=data).model_copy(
+        update={"redactions": ("/next_cursor",)}
+    )
+    ledger.record_result(envelope)
+    assert ledger.get("op-redacted").state is S.SUCCEEDED

@@ -23,6 +23,8 @@ from tests.ledger.helpers import (
 )
 
 TRUST = ("--public-key", SEAL_KEY.public_key)
+KEPT = {"items": [], "truncated": False, "next_cursor": "n1"}
+FOUND = {"items": [], "truncated": True, "next_cursor": "found"}
 
 
 @pytest.fixture
@@ -31,7 +33,7 @@ def settled(storage: StorageConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     ledger = make_ledger(storage)
     ledger.submit(search("op-1"), ALICE)
     grant = ledger.lease("op-1", executor="exec-1")
-    ledger.record_result(result("op-1", grant.fencing_token, data={"items": [], "n": 1}))
+    ledger.record_result(result("op-1", grant.fencing_token, data=KEPT))
     ledger.refresh()
     use_storage(monkeypatch, tmp_path, storage)
     return ledger
@@ -49,7 +51,7 @@ def test_the_event_binds_the_exact_kept_text(settled: Ledger) -> None:
     assert succeeded.result_ref == reference
     assert succeeded.envelope_hash == envelope_text_hash(text)
     status = settled.status("op-1")
-    assert status.result is not None and status.result.data == {"items": [], "n": 1}
+    assert status.result is not None and status.result.data == KEPT
 
 
 def test_an_altered_kept_result_is_named_by_verify_and_never_served(
@@ -58,7 +60,7 @@ def test_an_altered_kept_result_is_named_by_verify_and_never_served(
     reference, text = _kept(settled)
     settled.db.execute(
         "UPDATE opledger_results SET envelope = ? WHERE result_ref = ?",
-        (text.replace('"n":1', '"n":2'), reference),
+        (text.replace('"next_cursor":"n1"', '"next_cursor":"n2"'), reference),
     )
 
     code, out, _ = cli(capsys, "audit", "verify", *TRUST)
@@ -125,10 +127,10 @@ def test_a_reconciled_attempt_serves_its_own_result_not_the_unknown_one(
     ).model_copy(update={"outcome_unknown": True})
     ledger.record_result(unknown)
     assert ledger.get("op-1").state.value == "outcome_unknown"
-    ledger.record_result(result("op-1", grant.fencing_token, data={"items": ["found"]}))
+    ledger.record_result(result("op-1", grant.fencing_token, data=FOUND))
 
     status = make_ledger(storage).status("op-1")
     assert status.state == "succeeded"
     assert status.result is not None and status.result.ok
-    assert status.result.data == {"items": ["found"]}
+    assert status.result.data == FOUND
     assert ledger.verify(workers=1).ok

@@ -24,7 +24,7 @@ from ledger.audit.seal import SealKey
 from ledger.audit.verify import SignatureRow, VerificationReport, verify_ledger
 from ledger.domain.hashing import stored_event_hash
 from ledger.projections.operations_view import ROW_COLUMNS, VIEW_NAME
-from tests.ledger.helpers import ALICE, SEAL_KEY, make_ledger, result, search
+from tests.ledger.helpers import ALICE, NO_HITS, SEAL_KEY, make_ledger, result, search
 
 SUCCEEDED = "ledger.domain.operation:Operation.Succeeded"
 CHUNK_SIZES = (1, 2, 3, 7, 16)
@@ -40,7 +40,7 @@ def ledger(storage: StorageConfig) -> Ledger:
             ledger.refresh()  # sealed in several batches: several signed heads
     for n in range(0, 10, 2):  # the even ones run and succeed: five events, the others three
         grant = ledger.lease(f"op-{n}", executor="exec-1")
-        ledger.record_result(result(f"op-{n}", grant.fencing_token, data={"items": []}))
+        ledger.record_result(result(f"op-{n}", grant.fencing_token, data=NO_HITS))
     ledger.refresh()
     report = ledger.verify(workers=1)
     assert report.ok, [f.describe() for f in report.findings]

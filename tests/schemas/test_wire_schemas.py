@@ -5,8 +5,16 @@ from __future__ import annotations
 import orjson
 import pytest
 from jsonschema import Draft202012Validator
+from pydantic import ValidationError
 
-from schemas import SCHEMA_DIR, WIRE_MODELS, ToolProposal, render_schema
+from schemas import (
+    SCHEMA_DIR,
+    WIRE_MODELS,
+    ResultEnvelope,
+    ToolProposal,
+    TrustLabel,
+    render_schema,
+)
 
 
 @pytest.mark.parametrize("name", sorted(WIRE_MODELS))
@@ -37,3 +45,20 @@ def test_a_model_instance_validates_against_its_published_schema() -> None:
     Draft202012Validator(schema).validate(orjson.loads(proposal.model_dump_json()))
     bad = {"proposal_id": "p-1", "tool_name": "x", "arguments": {}, "surprise": 1}
     assert not Draft202012Validator(schema).is_valid(bad)
+
+
+@pytest.mark.parametrize("label", ["trusted", "verified", "", "UNTRUSTED"])
+def test_a_result_cannot_claim_any_trust_but_untrusted(label: str) -> None:
+    """Before: `trust` was a free string, and a result saying "trusted" was recorded so."""
+    provenance = {"tool": "t", "tool_version": "1.0.0", "executor": "e", "attempt": 1,
+                  "latency_ms": 1.0, "completed_at": "2026-11-29T10:00:00Z"}
+    envelope = {"operation_id": "h1/op", "fencing_token": 1, "ok": True, "data": {},
+                "provenance": provenance}
+    assert ResultEnvelope.model_validate(envelope).provenance.trust is TrustLabel.UNTRUSTED
+    with pytest.raises(ValidationError):
+        ResultEnvelope.model_validate(envelope | {"provenance": provenance | {"trust": label}})
+    schema = orjson.loads((SCHEMA_DIR / "result-envelope.schema.json").read_bytes())
+    errors = list(Draft202012Validator(schema).iter_errors(
+        envelope | {"provenance": provenance | {"trust": label}}
+    ))
+    assert errors, "the published schema must refuse it too, for hosts in other languages"
