@@ -177,7 +177,7 @@ async def test_one_result_published_twice_before_it_is_recorded_is_one_outcome(
         assert lease.decision is LeaseDecision.EXECUTE and lease.fencing_token is not None
         envelope = ResultEnvelope.model_validate({
             "operation_id": "h1/op-dup2", "fencing_token": lease.fencing_token, "ok": True,
-            "data": {"items": [], "truncated": False},
+            "data": {"items": [], "truncated": False, "next_cursor": None},
             "provenance": {"tool": "search_documents", "tool_version": lease.tool_version,
                            "executor": "test-exec", "attempt": lease.attempt,
                            "latency_ms": 1.0, "completed_at": "2026-11-29T10:00:00Z"},
