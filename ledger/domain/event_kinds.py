@@ -180,7 +180,7 @@ _KINDS = (
     ),
     EventKind(
         Op.Reconciled,
-        lambda e: f"reconciled by {e.by}: {e.outcome}",
+        lambda e: f"reconciled by {e.by}: {e.outcome}" + (f" ({e.reason})" if e.reason else ""),
         state=_reconciled,
         settles=True,
     ),

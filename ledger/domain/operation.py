@@ -401,6 +401,8 @@ class Operation(BaseAggregate[str]):
         retryable: bool = False
         envelope_hash: str = ""
         """SHA-256 of the exact envelope text kept under `result_ref`, when one was kept."""
+        reason: str = ""
+        """Why, when a person settled it (`opledger ops resolve`); "" for a lookup."""
 
         def apply_to(self, aggregate: Any) -> None:
             if self.outcome == "succeeded":
@@ -931,8 +933,9 @@ class Operation(BaseAggregate[str]):
         category: str = "",
         retryable: bool = False,
         envelope_hash: str = "",
+        reason: str = "",
     ) -> None:
-        """Settle an unknown outcome with what the provider says happened."""
+        """Settle an unknown outcome with what the provider, or a person, says happened."""
         self._guard("reconcile")
         self._reconcile(
             outcome,
@@ -944,6 +947,7 @@ class Operation(BaseAggregate[str]):
             category,
             retryable,
             envelope_hash=envelope_hash,
+            reason=reason,
         )
 
     def _reconcile(
@@ -958,6 +962,7 @@ class Operation(BaseAggregate[str]):
         retryable: bool,
         *,
         envelope_hash: str = "",
+        reason: str = "",
     ) -> None:
         if outcome not in ("succeeded", "failed"):
             raise IllegalTransition("reconciliation needs a definite outcome", operation_id=self.id)
@@ -972,6 +977,7 @@ class Operation(BaseAggregate[str]):
             category=category,
             retryable=retryable,
             envelope_hash=envelope_hash,
+            reason=reason[:500],
         )
 
     @property

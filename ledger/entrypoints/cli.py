@@ -10,6 +10,7 @@
     opledger ops list [--state S] [--tool T] [--tenant X] [--limit N]
     opledger ops show OP_ID [--as-of VERSION]
     opledger ops rebuild
+    opledger ops resolve OP_ID (--applied | --not-applied) --as USER --reason TEXT
     opledger audit verify [--expect-head HEAD] [--public-key KEY]... [--seal-grace SECONDS]
                           [--against-feed [--nats-url URL] [--creds FILE]]
     opledger audit head [--public-key KEY]...
@@ -304,6 +305,24 @@ def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
         ops_rebuild,
         WRITE,
     )
+    resolve = _leaf(
+        actions,
+        "resolve",
+        "settle an operation whose outcome is unknown: say what happened, and why",
+        common,
+        ops_resolve,
+        WRITE,
+    )
+    resolve.add_argument("operation_id", metavar="OP_ID")
+    happened = resolve.add_mutually_exclusive_group(required=True)
+    happened.add_argument(
+        "--applied", action="store_true", help="the side effect happened: it succeeded"
+    )
+    happened.add_argument(
+        "--not-applied", action="store_true", help="it did not happen: it failed, final"
+    )
+    resolve.add_argument("--as", dest="user", required=True, help="who settles it (recorded)")
+    resolve.add_argument("--reason", required=True, help="why (recorded), e.g. what you checked")
 
 
 def _public_key_option(parser: argparse.ArgumentParser) -> None:
@@ -445,6 +464,19 @@ def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
     data = operation_view(operation) | {
         "as_of": args.as_of,
         "timeline": [timeline_entry(event) for event in events],
+    }
+    return Output(data, render_operation)
+
+
+def ops_resolve(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops resolve`: a person settles an unknown outcome (`Reconciled`, with who and why)."""
+    operation = ledger.resolve(
+        args.operation_id, by=args.user, applied=args.applied, reason=args.reason
+    )
+    # Shown as `ops show` shows it: the state it is in now, and how it got there.
+    data = operation_view(operation) | {
+        "as_of": None,
+        "timeline": [timeline_entry(event) for event in ledger.history(args.operation_id)],
     }
     return Output(data, render_operation)
 

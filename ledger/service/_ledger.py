@@ -120,6 +120,7 @@ class Ledger:
         self.cancel = self.settling.cancel
         self.start_reconciliation = self.settling.start_reconciliation
         self.reconcile = self.settling.reconcile
+        self.resolve = self.settling.resolve
         self.note_publication_set_aside = self.settling.note_publication_set_aside
         self.verify = self.audit.verify
         self.export = self.audit.export

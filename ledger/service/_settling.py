@@ -6,6 +6,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from ledger.domain.errors import InvalidArgument
 from ledger.domain.operation import Operation
 from ledger.service._runner import CommandRunner
 
@@ -62,3 +63,31 @@ class Settling:
             )
 
         self._runner.update(operation_id, command)
+
+    def resolve(self, operation_id: str, *, by: str, applied: bool, reason: str) -> Operation:
+        """A person settles an unknown outcome: what happened, who says so, and why.
+
+        Applied: it succeeded (nothing is kept: no executor reported a result).
+        Not applied: it failed with `NOT_APPLIED`, final; the ledger does not retry
+        what a person settled. Only an operation whose outcome is unknown (or being
+        reconciled) can be resolved; anything else is `ILLEGAL_TRANSITION`.
+        """
+        if not reason.strip():
+            raise InvalidArgument("a resolution needs a reason")
+
+        def command(operation: Operation) -> Operation:
+            if applied:
+                operation.reconcile(outcome="succeeded", by=by, reason=reason, now=self._clock())
+            else:
+                operation.reconcile(
+                    outcome="failed",
+                    by=by,
+                    reason=reason,
+                    code="NOT_APPLIED",
+                    category="TRANSIENT",
+                    retryable=False,
+                    now=self._clock(),
+                )
+            return operation
+
+        return self._runner.update(operation_id, command)
