@@ -10,6 +10,7 @@
     opledger ops list [--state S] [--tool T] [--tenant X] [--limit N]
     opledger ops show OP_ID [--as-of VERSION]
     opledger ops rebuild
+    opledger ops cancel OP_ID --as USER [--reason TEXT]
     opledger ops resolve OP_ID (--applied | --not-applied) --as USER --reason TEXT
     opledger audit verify [--expect-head HEAD] [--public-key KEY]... [--seal-grace SECONDS]
                           [--against-feed [--nats-url URL] [--creds FILE]]
@@ -63,6 +64,7 @@ from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding
 from ledger.bootstrap import open_ledger
 from ledger.config import Settings, seconds_argument
 from ledger.domain.errors import OperationNotFound
+from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 from ledger.entrypoints.parsing import (
     EXIT_BROKEN_PIPE,
@@ -305,6 +307,17 @@ def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
         ops_rebuild,
         WRITE,
     )
+    cancel = _leaf(
+        actions,
+        "cancel",
+        "cancel an operation: at once if it has not started, by request if it runs",
+        common,
+        ops_cancel,
+        WRITE,
+    )
+    cancel.add_argument("operation_id", metavar="OP_ID")
+    cancel.add_argument("--as", dest="user", required=True, help="who cancels it (recorded)")
+    cancel.add_argument("--reason", default="", help="why (recorded; default: none given)")
     resolve = _leaf(
         actions,
         "resolve",
@@ -468,15 +481,26 @@ def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
     return Output(data, render_operation)
 
 
+def ops_cancel(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops cancel`: cancelled if it has not run, cancel requested if it runs, and
+    `CancelTooLate` recorded if it already has its outcome."""
+    operation = ledger.cancel(args.operation_id, by=args.user, reason=args.reason)
+    return _shown(ledger, operation, args.operation_id)
+
+
 def ops_resolve(ledger: Ledger, args: argparse.Namespace) -> Output:
     """`ops resolve`: a person settles an unknown outcome (`Reconciled`, with who and why)."""
     operation = ledger.resolve(
         args.operation_id, by=args.user, applied=args.applied, reason=args.reason
     )
-    # Shown as `ops show` shows it: the state it is in now, and how it got there.
+    return _shown(ledger, operation, args.operation_id)
+
+
+def _shown(ledger: Ledger, operation: Operation, operation_id: str) -> Output:
+    """An operation a command just changed, shown as `ops show` shows it."""
     data = operation_view(operation) | {
         "as_of": None,
-        "timeline": [timeline_entry(event) for event in ledger.history(args.operation_id)],
+        "timeline": [timeline_entry(event) for event in ledger.history(operation_id)],
     }
     return Output(data, render_operation)
 

@@ -1,4 +1,4 @@
-"""A person settles an unknown outcome and the host hears of it, over a real
+"""A person settles an unknown outcome, or cancels, and the host hears of it, over a real
 nats-server with the ledger service on each storage backend.
 
 Before: an operation whose executor vanished mid-call stayed `outcome_unknown`
@@ -76,3 +76,27 @@ async def test_the_host_gets_the_outcome_a_person_settled(stack: BackendStack) -
     assert status.outcome is not None and status.outcome["code"] == "NOT_APPLIED"
     settled = stack.ledger().history("h1/op-gone")[-1]
     assert (type(settled).__name__, settled.by) == ("Reconciled", "ops-lead")
+
+
+async def test_the_host_gets_the_outcome_of_a_cancel_before_the_lease(
+    stack: BackendStack,
+) -> None:
+    nc = await connect_as(stack.server.url, stack.credentials.host("h1"))
+    host = AgentHostClient(nc, "h1")
+    try:
+        proposal = ToolProposal(
+            proposal_id="p-cancel", conversation_id="c-1", requested_by_user_id="alice",
+            tool_name=TOOL, arguments={"query": "refund policy"}, operation_id="op-cancel",
+        )
+        assert (await host.propose(proposal, ALICE)).state == "ready"
+        done = subprocess.run(
+            [sys.executable, "-m", "ledger.entrypoints", *_database(stack), "ops", "cancel",
+             "h1/op-cancel", "--as", "ops-lead", "--reason", "no longer needed"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        status = await host.outcome("op-cancel", timeout=30)
+    finally:
+        await host.close()
+    assert (status.state, status.final) == ("cancelled", True), stack.log("service.log")
+    assert status.outcome == {"status": "cancelled", "by": "ops-lead"}
