@@ -640,6 +640,20 @@ def _wait_healthy(node: _Node, deadline: float) -> None:
     raise AssertionError(f"{node.name} did not become healthy")
 
 
+def _wait_meta_leader(node: _Node, peers: int, deadline: float) -> None:
+    url = f"http://127.0.0.1:{node.monitor}/jsz"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=0.5) as response:
+                meta = json.loads(response.read()).get("meta_cluster") or {}
+                if meta.get("leader") and meta.get("cluster_size", 0) >= peers:
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{node.name} saw no JetStream meta leader of {peers} peers")
+
+
 @pytest.fixture
 def generated_cluster(generated: Any, tmp_path: Path) -> Iterator[list[_Node]]:
     """The three generated nats configs, running on loopback ports."""
@@ -658,6 +672,10 @@ def generated_cluster(generated: Any, tmp_path: Path) -> Iterator[list[_Node]]:
         deadline = time.monotonic() + 30
         for node in nodes:
             _wait_healthy(node, deadline)
+        # Healthy is not yet ready: a replicated stream needs the JetStream meta
+        # leader elected and every peer known, or its creation can outlast a timeout.
+        for node in nodes:
+            _wait_meta_leader(node, len(nodes), deadline + 30)
         yield nodes
     finally:
         for node in nodes:
