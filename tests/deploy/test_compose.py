@@ -640,18 +640,23 @@ def _wait_healthy(node: _Node, deadline: float) -> None:
     raise AssertionError(f"{node.name} did not become healthy")
 
 
-def _wait_meta_leader(node: _Node, peers: int, deadline: float) -> None:
-    url = f"http://127.0.0.1:{node.monitor}/jsz"
+def _wait_meta_leader(nodes: list[_Node], deadline: float) -> None:
+    """Until one node leads the JetStream meta group and sees every other peer current
+    (only the leader tracks its followers: a follower reports the others as not current)."""
+    meta: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=0.5) as response:
-                meta = json.loads(response.read()).get("meta_cluster") or {}
-                if meta.get("leader") and meta.get("cluster_size", 0) >= peers:
-                    return
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
+        for node in nodes:
+            try:
+                url = f"http://127.0.0.1:{node.monitor}/jsz"
+                with urllib.request.urlopen(url, timeout=0.5) as response:
+                    meta = json.loads(response.read()).get("meta_cluster") or {}
+            except (urllib.error.URLError, OSError, ValueError):
+                continue
+            current = [r for r in meta.get("replicas") or [] if r.get("current")]
+            if meta.get("leader") == node.name and len(current) >= len(nodes) - 1:
+                return
         time.sleep(0.2)
-    raise AssertionError(f"{node.name} saw no JetStream meta leader of {peers} peers")
+    raise AssertionError(f"no JetStream meta leader with every peer current: {meta}")
 
 
 @pytest.fixture
@@ -674,8 +679,7 @@ def generated_cluster(generated: Any, tmp_path: Path) -> Iterator[list[_Node]]:
             _wait_healthy(node, deadline)
         # Healthy is not yet ready: a replicated stream needs the JetStream meta
         # leader elected and every peer known, or its creation can outlast a timeout.
-        for node in nodes:
-            _wait_meta_leader(node, len(nodes), deadline + 30)
+        _wait_meta_leader(nodes, deadline + 30)
         yield nodes
     finally:
         for node in nodes:
