@@ -397,6 +397,9 @@ async def attack(conns: Connections, row: Row, env_form: str) -> Observation:
     # steal, ack, nak or terminate.
     for _ in range(3):
         await publish()
+    # A PubAck means stored; the consumer counts a message a moment later, and a
+    # no_wait pull before that finds nothing (seen under load): wait for all three.
+    await _settled(ledger, target, lambda i: i.num_pending == 3)
     (held,) = await _pull(owner, target, 1)
     obs = Observation(to_target=[], to_own=[], refused=set())
     try:
