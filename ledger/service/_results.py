@@ -12,7 +12,7 @@ from ledger.domain.operation import Operation
 from ledger.domain.states import ResultDisposition
 from ledger.service._contracts import PinnedContracts
 from ledger.service._runner import CommandRunner
-from policy import DEFAULT_LIMITS, json_value_issue
+from policy import DEFAULT_LIMITS, ToolContract, json_value_issue
 from schemas import ResultEnvelope, ResultOutcome, canonical_json, sha256_hex
 
 __all__ = ["ResultRecording"]
@@ -78,6 +78,7 @@ class ResultRecording:
         if envelope.provenance.tool != operation.tool:
             return ResultDisposition.REFUSED
         now = self._clock()
+        contract = self._contracts.of(operation)  # the pinned one; None if no longer
         attempt = envelope.provenance.attempt
         reference = ResultStore.reference(operation.id, attempt)
         error = envelope.error
@@ -97,11 +98,10 @@ class ResultRecording:
             # failed the append on every redelivery until JetStream gave up.
             outcome, output_hash, text, envelope_hash = ResultOutcome.UNKNOWN, "", "", ""
             reason = f"the result cannot be recorded: {problem.code} at {problem.path or '/'}"
-        elif (violation := self._output_violation(operation, envelope)) is not None:
+        elif (violation := self._output_violation(contract, envelope)) is not None:
             # The ledger does not take the executor's word for it: a success whose
             # data breaks the output schema failed (a read) or may have had its
             # effect (a write: unknown, for reconciliation). Nothing of it is kept.
-            contract = self._contracts.of(operation)
             writes = contract is not None and contract.effect.writes
             outcome = ResultOutcome.UNKNOWN if writes else ResultOutcome.FAILED
             output_hash, text, envelope_hash = "", "", ""
@@ -139,7 +139,6 @@ class ResultRecording:
             ):
                 kept.append((reference, operation.id, text))
             if operation.can_retry:
-                contract = self._contracts.of(operation)
                 delay = contract.retry.backoff_ms(operation.attempt) if contract else 0
                 # The tool's own word counts too: a provider's Retry-After, a rate limit.
                 if error is not None and error.retry_after_ms is not None:
@@ -147,10 +146,9 @@ class ResultRecording:
                 operation.schedule_retry(not_before=now + timedelta(milliseconds=delay), now=now)
         return disposition
 
-    def _output_violation(self, operation: Operation, envelope: ResultEnvelope) -> str | None:
-        if not envelope.ok or envelope.data is None:
-            return None
-        contract = self._contracts.of(operation)
-        if contract is None:
+    def _output_violation(
+        self, contract: ToolContract | None, envelope: ResultEnvelope
+    ) -> str | None:
+        if not envelope.ok or envelope.data is None or contract is None:
             return None
         return self._contracts.output_problem(contract, envelope.data, envelope.redactions)
