@@ -19,7 +19,7 @@ from typing import Any
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 
-__all__ = ["EVENT_KINDS", "EventKind", "event_kind", "event_types"]
+__all__ = ["EVENT_KINDS", "EventKind", "event_kind", "event_types", "when_text"]
 
 S = OperationState
 
@@ -59,7 +59,7 @@ def _short(digest: str | None) -> str:
     return digest[:12] if digest else "-"
 
 
-def _when(value: str | datetime | None) -> str:
+def when_text(value: str | datetime | None) -> str:
     """A timestamp as `YYYY-MM-DD HH:MM:SS` UTC (the ledger stores UTC)."""
     if value is None:
         return "-"
@@ -106,7 +106,7 @@ _KINDS = (
         Op.ApprovalRequested,
         lambda e: (
             f"approval {e.approval_id} requested: {e.required_approvals} from "
-            f"{', '.join(e.approver_roles)}, expires {_when(e.expires_at)}"
+            f"{', '.join(e.approver_roles)}, expires {when_text(e.expires_at)}"
         ),
         state=S.AWAITING_APPROVAL,
     ),
@@ -138,7 +138,7 @@ _KINDS = (
         Op.LeaseClaimed,
         lambda e: (
             f"leased to {e.executor}: attempt {e.attempt}, token {e.fencing_token}, "
-            f"until {_when(e.lease_expires_at)}"
+            f"until {when_text(e.lease_expires_at)}"
         ),
         state=S.EXECUTING,
     ),
@@ -191,7 +191,7 @@ _KINDS = (
     ),
     EventKind(
         Op.RetryScheduled,
-        lambda e: f"retry after attempt {e.after_attempt}, not before {_when(e.not_before)}",
+        lambda e: f"retry after attempt {e.after_attempt}, not before {when_text(e.not_before)}",
         state=S.READY,
         dispatches=True,
     ),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from typing import Any
 
 import orjson
 
+from ledger.domain.event_kinds import when_text
 from ledger.domain.states import OperationState
 
 
@@ -31,14 +31,6 @@ def render_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 def _cell(value: Any) -> str:
     return "-" if value is None or value == "" else str(value)
-
-
-def _when(value: str | datetime | None) -> str:
-    """A timestamp as `YYYY-MM-DD HH:MM:SS` UTC (the ledger stores UTC)."""
-    if value is None:
-        return "-"
-    moment = datetime.fromisoformat(value) if isinstance(value, str) else value
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _compact(value: Any) -> str:
@@ -66,7 +58,7 @@ def render_operations(rows: list[dict[str, Any]]) -> str:
                 r["tenant"],
                 r["risk"],
                 r["attempts"],
-                _when(r["updated_at"]),
+                when_text(r["updated_at"]),
             )
             for r in rows
         ),
@@ -90,7 +82,10 @@ def render_operation(data: dict[str, Any]) -> str:
     ]
     timeline = render_table(
         ("VERSION", "TYPE", "TIME (UTC)", "SUMMARY"),
-        ((e["version"], e["type"], _when(e["timestamp"]), e["summary"]) for e in data["timeline"]),
+        (
+            (e["version"], e["type"], when_text(e["timestamp"]), e["summary"])
+            for e in data["timeline"]
+        ),
     )
     header = f"Operation {data['operation_id']} (version {data['version']}{as_of})"
     body = _render_fields(fields, width=20)
@@ -123,7 +118,7 @@ def _approval_fields(
             "approval",
             f"{approval['approval_id']}: {len(approvers)} of "
             f"{approval['required_approvals']} from {roles}, "
-            f"expires {_when(approval['expires_at'])}",
+            f"expires {when_text(approval['expires_at'])}",
         ),
         ("approved by", ", ".join(approvers) or "-"),
         ("effect", f"{preview.get('effect')} ({reversible})"),
@@ -134,7 +129,7 @@ def _approval_fields(
 def _lease_text(lease: dict[str, Any]) -> str:
     return (
         f"attempt {lease['attempt']} by {lease['executor']}, token {lease['fencing_token']},"
-        f" until {_when(lease['expires_at'])}"
+        f" until {when_text(lease['expires_at'])}"
     )
 
 
@@ -236,7 +231,7 @@ def render_pending(rows: list[dict[str, Any]]) -> str:
                 r["tenant"],
                 r["risk"],
                 f"{r['approvals_granted']}/{r['approvals_required']}",
-                _when(r["approval_expires_at"]),
+                when_text(r["approval_expires_at"]),
             )
             for r in rows
         ),
@@ -270,7 +265,7 @@ def render_approval(data: dict[str, Any]) -> str:
         ("Why approval", data["reason"]),
         ("Who approves", who),
         ("Approved so far", ", ".join(data["approved_by"]) or "nobody"),
-        ("Expires", f"{_when(data['expires_at'])} UTC"),
+        ("Expires", f"{when_text(data['expires_at'])} UTC"),
     ]
     lines = [
         f"Approval request {data['approval_id']} for {data['tool']} (version "
