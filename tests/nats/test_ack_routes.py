@@ -413,8 +413,11 @@ async def attack(conns: Connections, row: Row, env_form: str) -> Observation:
         obs.to_target = [s for s in subjects if target.receives(s)]
         obs.to_own = [s for s in subjects if row.attacker.own.receives(s)]
 
+        # One subscription per crafted subject: a pulled message keeps the
+        # subject it was stored under, so only the subscription it came on says
+        # which crafted subject it answered.
         inbox = actor.nc.new_inbox()
-        replies = await actor.nc.subscribe(f"{inbox}.>")
+        replies = [await actor.nc.subscribe(f"{inbox}.{i}") for i in range(len(subjects))]
         await flush_all(actor.nc, CALL_TIMEOUT_S)
         for index, crafted in enumerate(subjects):
             await actor.nc.publish(crafted, VERBS[row.verb], reply=f"{inbox}.{index}")
@@ -440,13 +443,14 @@ async def attack(conns: Connections, row: Row, env_form: str) -> Observation:
             target,
             lambda i: cast(int, i.num_pending) + cast(int, i.num_ack_pending) == total,
         )
-        answers: list[Msg] = []
-        while True:
-            try:
-                answers.append(await replies.next_msg(timeout=0.005))
-            except nats.errors.TimeoutError:
-                break
-        await replies.unsubscribe()
+        answers: list[tuple[int, Msg]] = []
+        for index, sub in enumerate(replies):
+            while True:
+                try:
+                    answers.append((index, await sub.next_msg(timeout=0.005)))
+                except nats.errors.TimeoutError:
+                    break
+            await sub.unsubscribe()
         legit = await _pull(owner, target, len(sent))
 
         obs.refused = _refused_subjects(actor)
@@ -454,14 +458,19 @@ async def attack(conns: Connections, row: Row, env_form: str) -> Observation:
             if crafted.lower() not in obs.refused:
                 obs.accepted.append(crafted)
                 obs.breaches.append(f"accepted {crafted}")
-        for answer in answers:
-            if not answer.subject.startswith(f"{inbox}."):
-                # A pulled message: it keeps the subject it was stored under.
-                obs.breaches.append(f"delivered to the attacker: {answer.subject} {answer.data!r}")
+        for index, answer in answers:
+            crafted = subjects[index]
+            if answer.subject != f"{inbox}.{index}":
+                # A pulled message: it keeps the subject it was stored under, and
+                # its reply (an ack subject) names the consumer that sent it.
+                route = "target" if crafted in obs.to_target else "own"
+                obs.breaches.append(
+                    f"delivered to the attacker in answer to {crafted} ({route} route):"
+                    f" {answer.subject} {answer.data!r} reply={answer.reply}"
+                    f" refused={crafted.lower() in obs.refused}"
+                )
                 obs.stolen.append(answer)
-                continue
-            crafted = subjects[int(answer.subject.rsplit(".", 1)[1])]
-            if crafted in obs.to_target:
+            elif crafted in obs.to_target:
                 obs.breaches.append(f"answered by {target}: {crafted}")
         was, now = _counters(before), _counters(after)
         moved = {k: (v, now[k]) for k, v in was.items() if now[k] != v}
