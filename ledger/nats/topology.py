@@ -26,10 +26,14 @@ lose data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import nats.errors
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
@@ -39,7 +43,7 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.client import JetStreamContext
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from ledger.nats.errors import TopologyError
 from schemas import (
@@ -59,6 +63,8 @@ __all__ = [
     "declare_topology",
     "stream_configs",
 ]
+
+_log = logging.getLogger(__name__)
 
 # Fields we set and therefore compare; the server fills in many others
 # (metadata, limits, defaults) that must not count as a difference.
@@ -229,6 +235,29 @@ async def _declare_consumer(js: JetStreamContext, stream: str, config: ConsumerC
     return "created" if existing is None else "updated"
 
 
+_DECLARE_TRIES = 4
+
+
+async def _patiently(declare: Callable[[], Awaitable[str]]) -> str:
+    """Declare one stream or consumer, asking again when the API timed out.
+
+    A replicated asset is created by the cluster's meta leader and its peers;
+    on a busy cluster that just formed, it can outlast the API timeout (seen:
+    the second R3 stream of a fresh 3-node cluster on two loaded cores) while
+    the creation goes on. Declaring is idempotent (it looks first), so the
+    next try finds the stream created, or creates it.
+    """
+    for attempt in range(1, _DECLARE_TRIES + 1):
+        try:
+            return await declare()
+        except (nats.errors.TimeoutError, ServiceUnavailableError) as exc:
+            if attempt == _DECLARE_TRIES:
+                raise
+            _log.warning("declaring the topology: %s, try %d; asking again", exc, attempt)
+            await asyncio.sleep(attempt)
+    raise AssertionError("unreachable")
+
+
 async def declare_topology(
     js: JetStreamContext,
     tools: Sequence[str],
@@ -251,11 +280,12 @@ async def declare_topology(
         results_kept_per_tool=results_kept_per_tool,
     ):
         assert stream.name is not None
-        done[await _declare_stream(js, stream)].append(stream.name)
+        outcome = await _patiently(partial(_declare_stream, js, stream))
+        done[outcome].append(stream.name)
     for stream_name, consumer in consumer_configs(
         tools, ack_wait_s=ack_wait_s, max_deliver=max_deliver, replicas=replicas
     ):
-        outcome = await _declare_consumer(js, stream_name, consumer)
+        outcome = await _patiently(partial(_declare_consumer, js, stream_name, consumer))
         done[outcome].append(f"{stream_name}/{consumer.durable_name}")
     return DeclaredTopology(
         created=tuple(done["created"]),

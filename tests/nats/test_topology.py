@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import nats
+import nats.errors
 import pytest
 from nats.js.api import RetentionPolicy
 
@@ -176,3 +178,31 @@ async def test_an_executor_publishing_in_a_loop_fills_only_its_own_share_of_resu
             assert RESULTS_STREAM in again.updated
         finally:
             await nc.close()
+
+
+def test_a_declaration_that_timed_out_is_asked_again_and_a_lasting_failure_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replicated stream's creation can outlast the API timeout on a cluster that just
+    formed (seen in CI); declaring is idempotent, so it is asked again, a bounded number
+    of times."""
+    from ledger.nats import topology
+
+    monkeypatch.setattr(asyncio, "sleep", _no_sleep)
+    answers: list[BaseException | str] = [nats.errors.TimeoutError(), "unchanged"]
+
+    async def declare() -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    assert asyncio.run(topology._patiently(declare)) == "unchanged"
+    answers[:] = [nats.errors.TimeoutError()] * topology._DECLARE_TRIES
+    with pytest.raises(nats.errors.TimeoutError):
+        asyncio.run(topology._patiently(declare))
+    assert answers == []
+
+
+async def _no_sleep(_seconds: float) -> None:
+    return None
