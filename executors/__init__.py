@@ -21,6 +21,7 @@ Public surface:
 """
 
 from executors._api import (
+    CancelFn,
     CheckFn,
     PostconditionFn,
     Precondition,
@@ -67,6 +68,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "REDACTED",
     "SECRET_ENV_PREFIX",
+    "CancelFn",
     "CheckFn",
     "ExecutorConfigError",
     "ExecutorMetrics",

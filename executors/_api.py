@@ -212,6 +212,10 @@ CheckFn: TypeAlias = Callable[
 """`check_preconditions(arguments, context)`: re-check the target right before running."""
 ReconcileFn: TypeAlias = Callable[[str, ToolContext], Reconciliation | Awaitable[Reconciliation]]
 """`reconcile(operation_id, context)`: look the outcome of a lost attempt up."""
+CancelFn: TypeAlias = Callable[[str, ToolContext], bool | Awaitable[bool]]
+"""`cancel(operation_id, context)`: the call was cancelled while it runs; stop it if no
+effect has happened yet. True: stopped, nothing happened (the operation is `cancelled`);
+False: too late, the call runs on and its outcome is recorded (`cancel: too_late`)."""
 PostconditionFn: TypeAlias = Callable[
     [Mapping[str, Any], Mapping[str, Any], ToolContext],
     Sequence[str] | Awaitable[Sequence[str]],
@@ -233,6 +237,7 @@ class Tool:
     check_preconditions: CheckFn | None = None
     reconcile: ReconcileFn | None = None
     check_postconditions: PostconditionFn | None = None
+    cancel: CancelFn | None = None
     required_secrets: tuple[str, ...] = ()
     """Secret names the executor refuses to start without (lower case)."""
 
@@ -244,6 +249,12 @@ class Tool:
     def reconciler(self, fn: _F) -> _F:
         """Decorator: register `fn` as `reconcile`."""
         self.reconcile = fn
+        return fn
+
+    def canceller(self, fn: _F) -> _F:
+        """Decorator: register `fn` as `cancel` (without one, a cancel while running is
+        too late: the call runs on)."""
+        self.cancel = fn
         return fn
 
     def postcondition(self, fn: _F) -> _F:

@@ -51,6 +51,8 @@ from executors._metrics import ExecutorMetrics
 from executors._redact import DEFAULT_POLICY, RedactionPolicy, redact, redact_text
 from policy import DEFAULT_LIMITS, CompiledSchema, ToolContract, json_value_issue
 from schemas import (
+    CANCELLED_BEFORE_EFFECT,
+    RECONCILE_UNSUPPORTED,
     CheckStage,
     ErrorCategory,
     ErrorInfo,
@@ -153,6 +155,10 @@ async def _invoke(fn: Callable[..., Any], *args: Any) -> Any:
     if inspect.isawaitable(result):
         return await result
     return result
+
+
+class _StoppedOnCancel(Exception):
+    """The tool stopped on a cancel request before any effect (internal control flow)."""
 
 
 class _Untrusted(Exception):
@@ -343,7 +349,7 @@ class ItemProcessor:
             )
         if reply.decision is LeaseDecision.RECONCILE:
             return await self._reconcile(attempt, reply, delivery)
-        return await self._execute(attempt, reply)
+        return await self._execute(attempt, reply, lease)
 
     def _lease_error(self, item: WorkItem, error: ErrorInfo, delivery: int) -> ItemDisposition:
         self._log.warning(
@@ -398,14 +404,16 @@ class ItemProcessor:
 
     # ---------------------------------------------------------------- execute
 
-    async def _execute(self, attempt: _Attempt, reply: LeaseReply) -> ItemDisposition:
+    async def _execute(
+        self, attempt: _Attempt, reply: LeaseReply, lease: LeaseFn
+    ) -> ItemDisposition:
         timeout_s = (reply.timeout_ms or self.contract.timeout_ms) / 1000
         deadline = attempt.started + timeout_s
         context = self._context(attempt, timeout_s)
         arguments: dict[str, Any] = dict(reply.arguments or {})
         try:
             disposition = await self._execute_checked(
-                attempt, arguments, context, deadline, round(timeout_s * 1000)
+                attempt, arguments, context, deadline, round(timeout_s * 1000), lease
             )
         finally:
             self.metrics.duration.labels(tool=self.contract.name).observe(
@@ -420,6 +428,7 @@ class ItemProcessor:
         context: ToolContext,
         deadline: float,
         timeout_ms: int,
+        lease: LeaseFn,
     ) -> ItemDisposition:
         # The ledger checked these arguments; checking them again against the
         # pinned schema catches a ledger and an executor that disagree on it.
@@ -452,8 +461,16 @@ class ItemProcessor:
                     attempt, arguments, checked.data, context, reason="already_applied"
                 )
         try:
-            output = await asyncio.wait_for(
-                _invoke(self.tool.run, arguments, context), timeout=deadline - time.monotonic()
+            output = await self._run_watched(attempt, arguments, context, deadline, lease)
+        except _StoppedOnCancel:
+            return self._failure(
+                attempt,
+                ErrorInfo(
+                    code=CANCELLED_BEFORE_EFFECT,
+                    category=ErrorCategory.POLICY_DENIED,
+                    message="cancelled while running; the tool stopped before any effect",
+                ),
+                reason="cancelled",
             )
         except TimeoutError:
             return self._failure(
@@ -486,6 +503,77 @@ class ItemProcessor:
                 unknown=self._writes,
             )
         return await self._report_output(attempt, arguments, output, context, reason="executed")
+
+    async def _run_watched(
+        self,
+        attempt: _Attempt,
+        arguments: dict[str, Any],
+        context: ToolContext,
+        deadline: float,
+        lease: LeaseFn,
+    ) -> Any:
+        """The tool's output; while it runs, the executor checks in with the ledger.
+
+        Every progress interval it asks whether to go on (`LeaseRequest.holding`).
+        On `cancel`, the tool's `cancel` hook decides: stopped before any effect
+        raises `_StoppedOnCancel` (the run is abandoned); too late, or no hook,
+        and the call runs on to its outcome. `TimeoutError` at the deadline.
+        """
+        run = asyncio.ensure_future(_invoke(self.tool.run, arguments, context))
+        watch = asyncio.create_task(self._watch_for_cancel(attempt, context, lease))
+        try:
+            done, _ = await asyncio.wait(
+                {run, watch},
+                timeout=max(deadline - time.monotonic(), 0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if run in done:
+                return run.result()
+            if watch in done and watch.result():
+                run.cancel()
+                raise _StoppedOnCancel
+            # Too late to stop (or nothing asked): the call runs to its deadline.
+            return await asyncio.wait_for(run, timeout=max(deadline - time.monotonic(), 0))
+        finally:
+            watch.cancel()
+            if not run.done():
+                run.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watch
+
+    async def _watch_for_cancel(
+        self, attempt: _Attempt, context: ToolContext, lease: LeaseFn
+    ) -> bool:
+        """Check in every progress interval; True once the tool stopped on a cancel.
+
+        Returns False (and checks in no more) when a cancel came too late to stop
+        it; never returns otherwise, so the run decides.
+        """
+        request = LeaseRequest(
+            operation_id=attempt.operation_id, executor=self.executor, holding=attempt.fencing_token
+        )
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            try:
+                reply = await lease(request)
+            except Exception as exc:  # a lost check-in only delays a cancel
+                self._log.debug("check-in for %s failed: %s", attempt.operation_id, exc)
+                continue
+            if reply.decision is not LeaseDecision.CANCEL:
+                continue
+            hook = self.tool.cancel
+            if hook is None:
+                self._log.info("%s cancelled while running: too late to stop it",
+                               attempt.operation_id)
+                return False
+            try:
+                stopped = bool(await _invoke(hook, attempt.operation_id, context))
+            except Exception:
+                self._log.exception("cancel hook failed on %s", attempt.operation_id)
+                stopped = False  # not known to have stopped: it runs on
+            self._log.info("%s cancelled while running: %s", attempt.operation_id,
+                           "stopped before any effect" if stopped else "too late to stop it")
+            return stopped
 
     async def _check_preconditions(
         self,
@@ -549,7 +637,7 @@ class ItemProcessor:
             return self._failure(
                 attempt,
                 ErrorInfo(
-                    code="RECONCILE_UNSUPPORTED",
+                    code=RECONCILE_UNSUPPORTED,
                     category=ErrorCategory.INTERNAL,
                     message="this executor cannot look earlier attempts up; reconcile by hand",
                 ),

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -28,6 +30,7 @@ from pydantic import ValidationError
 
 from ledger._recent import Recent
 from schemas import (
+    CancelRequest,
     ErrorCategory,
     ErrorEnvelope,
     ErrorInfo,
@@ -44,6 +47,8 @@ from schemas import (
 )
 
 __all__ = ["AgentHostClient", "LedgerUnavailable", "OutcomeTimeout", "RequestRefused"]
+
+_log = logging.getLogger(__name__)
 
 
 class LedgerUnavailable(OpledgerError):
@@ -84,7 +89,10 @@ class AgentHostClient:
         timeout: float = 5.0,
         poll_interval: float = 2.0,
         remembered: int = 4096,
+        on_attention: Callable[[OperationStatus], object] | None = None,
     ) -> None:
+        """`on_attention` is called with each notice that an operation, not final,
+        needs a person (`needs_resolution`); `attention` returns the last one."""
         self._nc = nc
         self.host = check_token(host)
         self._timeout = timeout
@@ -97,6 +105,8 @@ class AgentHostClient:
         self._announced: Recent[str, OperationStatus] = Recent(remembered)
         self._proposed: Recent[str, None] = Recent(remembered)
         self._waiters: dict[str, list[asyncio.Future[OperationStatus]]] = {}
+        self._attention: Recent[str, OperationStatus] = Recent(remembered)
+        self._on_attention = on_attention
 
     @classmethod
     async def connect(
@@ -125,6 +135,14 @@ class AgentHostClient:
         except ValidationError:
             return  # not an announcement the ledger makes: ignore it
         if not status.final:
+            # Not an outcome: the operation waits for a person (the ledger's
+            # lookups could not tell what happened). `outcome()` keeps waiting.
+            self._attention.remember(status.operation_id, status)
+            if self._on_attention is not None:
+                try:
+                    self._on_attention(status)
+                except Exception:
+                    _log.exception("on_attention failed for %s", status.operation_id)
             return
         waiters = self._waiters.pop(status.operation_id, None)
         if waiters:
@@ -185,15 +203,28 @@ class AgentHostClient:
         request = StatusRequest(operation_id=operation_id).model_dump_json().encode()
         data = await self._request(Subjects.status(self.host), request, attempts)
         # The answer is a status, or the error envelope (`"ok": false`, no `final`).
-        # A status may carry an `error` of its own: a failed operation's. A ledger
-        # older than this SDK refuses with `{"operation_id", "error"}` and no `ok`:
-        # an error without `final` is a refusal in either shape.
-        body = orjson.loads(data)
-        if isinstance(body, dict) and "final" not in body and body.get("error") is not None:
-            if body.get("ok") is False:
-                raise RequestRefused(ErrorEnvelope.model_validate(body).error)
-            raise RequestRefused(ErrorInfo.model_validate(body["error"]))
-        return OperationStatus.model_validate(body)
+        return _status_or_refusal(data)
+
+    async def cancel(
+        self, operation_id: str, *, reason: str = "", attempts: int = 3
+    ) -> OperationStatus:
+        """Cancel one of this host's operations; its status right after.
+
+        Not run yet: `cancelled` (final). Running: `cancel_requested` with
+        `cancel="requested"`; the executor is told at its next check-in, and
+        `outcome()` then returns `cancelled`, or what happened with
+        `cancel="too_late"`. Already settled: its outcome, `cancel="too_late"`.
+        Asking again is safe: a cancel converges.
+        """
+        request = CancelRequest(operation_id=operation_id, reason=reason)
+        data = await self._request(
+            Subjects.cancel(self.host), request.model_dump_json().encode(), attempts
+        )
+        return _status_or_refusal(data)
+
+    def attention(self, operation_id: str) -> OperationStatus | None:
+        """The last notice that `operation_id` needs a person, if one came (not final)."""
+        return self._attention.get(operation_id)
 
     async def outcome(self, operation_id: str, timeout: float = 30.0) -> OperationStatus:
         """Wait until the operation is final and return its status with the result.
@@ -238,6 +269,21 @@ class AgentHostClient:
                 if not waiters:
                     del self._waiters[operation_id]
             waiter.cancel()
+
+
+def _status_or_refusal(data: bytes) -> OperationStatus:
+    """A status answer, or `RequestRefused` for the error envelope.
+
+    A status may carry an `error` of its own: a failed operation's. A ledger
+    older than this SDK refuses with `{"operation_id", "error"}` and no `ok`:
+    an error without `final` is a refusal in either shape.
+    """
+    body = orjson.loads(data)
+    if isinstance(body, dict) and "final" not in body and body.get("error") is not None:
+        if body.get("ok") is False:
+            raise RequestRefused(ErrorEnvelope.model_validate(body).error)
+        raise RequestRefused(ErrorInfo.model_validate(body["error"]))
+    return OperationStatus.model_validate(body)
 
 
 def _busy_wait_s(data: bytes) -> float | None:

@@ -147,6 +147,25 @@ class RetryPolicy(_Frozen):
         return int(min(delay, self.max_backoff_ms))
 
 
+class ReconcilePolicy(_Frozen):
+    """How an unknown outcome is looked up at the provider before a person must decide.
+
+    Round 1 waits `initial_delay_ms` after the outcome became unknown (a hung
+    call may still land meanwhile); each inconclusive round waits longer, and
+    after `max_rounds` inconclusive rounds the operation `needs_resolution`.
+    """
+
+    max_rounds: int = Field(default=5, ge=1, le=20)
+    initial_delay_ms: int = Field(default=1_000, ge=0)
+    backoff_multiplier: float = Field(default=2.0, ge=1.0)
+    max_delay_ms: int = Field(default=60_000, ge=0)
+
+    def delay_ms(self, rounds_done: int) -> int:
+        """Delay before reconcile round `rounds_done + 1`."""
+        delay = self.initial_delay_ms * self.backoff_multiplier ** max(rounds_done, 0)
+        return int(min(delay, self.max_delay_ms))
+
+
 class Idempotency(_Frozen):
     """Whether the tool must deduplicate by key. The key is always the operation ID."""
 
@@ -239,6 +258,7 @@ class ToolContract(_Frozen):
     approval: ApprovalPolicy = ApprovalPolicy()
     timeout_ms: int = Field(gt=0, le=3_600_000)
     retry: RetryPolicy = RetryPolicy()
+    reconcile: ReconcilePolicy = ReconcilePolicy()
     idempotency: Idempotency = Idempotency()
     risk: RiskPolicy
     limits: Limits = Limits()

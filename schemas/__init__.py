@@ -22,6 +22,7 @@ from schemas._decision import (
 from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
 from schemas._exceptions import CanonicalizationError, OpledgerError
 from schemas._messages import (
+    CancelRequest,
     FeedEvent,
     LeaseDecision,
     LeaseReply,
@@ -31,11 +32,19 @@ from schemas._messages import (
     ProposeReply,
     StatusRequest,
     WorkItem,
+    WorkPurpose,
 )
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._publish import SCHEMA_DIR, WIRE_MODELS, render_schema, write_schemas
 from schemas._pull import PullConsumer
-from schemas._result import Provenance, ResultEnvelope, ResultOutcome, TrustLabel
+from schemas._result import (
+    CANCELLED_BEFORE_EFFECT,
+    RECONCILE_UNSUPPORTED,
+    Provenance,
+    ResultEnvelope,
+    ResultOutcome,
+    TrustLabel,
+)
 from schemas._subjects import (
     FEED_AUDITOR_CONSUMER,
     FEED_STREAM,
@@ -57,9 +66,11 @@ from schemas._subjects import (
 )
 
 __all__ = [
+    "CANCELLED_BEFORE_EFFECT",
     "FEED_AUDITOR_CONSUMER",
     "FEED_STREAM",
     "OPERATION_ID_PATTERN",
+    "RECONCILE_UNSUPPORTED",
     "RESULTS_CONSUMER",
     "RESULTS_STREAM",
     "SCHEMA_DIR",
@@ -67,6 +78,7 @@ __all__ = [
     "WIRE_MODELS",
     "WORK_STREAM",
     "ApprovalRequirement",
+    "CancelRequest",
     "CanonicalizationError",
     "CheckStage",
     "Decision",
@@ -95,6 +107,7 @@ __all__ = [
     "TrustLabel",
     "ValidationIssue",
     "WorkItem",
+    "WorkPurpose",
     "canonical_json",
     "check_token",
     "feed_message_id",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -16,6 +16,7 @@ from schemas._result import ResultEnvelope
 from schemas._subjects import OPERATION_ID_PATTERN, TOKEN_PATTERN
 
 __all__ = [
+    "CancelRequest",
     "FeedEvent",
     "LeaseDecision",
     "LeaseReply",
@@ -25,6 +26,7 @@ __all__ = [
     "ProposeReply",
     "StatusRequest",
     "WorkItem",
+    "WorkPurpose",
 ]
 
 
@@ -47,6 +49,15 @@ class ProposeReply(WireModel):
     error: ErrorInfo | None = None
 
 
+class WorkPurpose(StrEnum):
+    """Why a work item was queued. The lease, not the item, decides what is done."""
+
+    EXECUTE = "execute"
+    """An attempt is ready to run."""
+    RECONCILE = "reconcile"
+    """An attempt's outcome is unknown: look it up at the provider, never run it again."""
+
+
 class WorkItem(WireModel):
     """A ready operation queued for executors. It carries no arguments: those come
     with the lease, from the ledger, exactly as checked and approved."""
@@ -55,6 +66,16 @@ class WorkItem(WireModel):
     tool: str
     tool_version: str
     attempt: int = Field(ge=1, description="The attempt this item is for.")
+    purpose: WorkPurpose = Field(
+        default=WorkPurpose.EXECUTE,
+        description="Informational: an executor asks for the lease either way, and the"
+        " lease answers `execute` or `reconcile`.",
+    )
+    lookup: int = Field(
+        default=0,
+        ge=0,
+        description="For `reconcile`: which lookup of the outcome this is (1, 2, ...).",
+    )
 
 
 class LeaseRequest(WireModel):
@@ -62,6 +83,13 @@ class LeaseRequest(WireModel):
 
     operation_id: str = Field(pattern=OPERATION_ID_PATTERN)
     executor: str = Field(min_length=1, max_length=128)
+    holding: int | None = Field(
+        default=None,
+        ge=1,
+        description="A check-in while the tool runs: the fencing token of the lease held."
+        " Nothing is leased; the answer says whether to go on (`execute`), stop if it"
+        " still can (`cancel`), or that the lease is no longer this executor's (`done`).",
+    )
 
 
 class LeaseDecision(StrEnum):
@@ -75,6 +103,9 @@ class LeaseDecision(StrEnum):
     """The operation has its outcome (or will never run): acknowledge the item."""
     BUSY = "busy"
     """Another executor holds a live lease: try again later."""
+    CANCEL = "cancel"
+    """To a check-in: the operation was cancelled while it runs; stop if no effect
+    happened yet (the tool's `cancel` hook), and report what happened either way."""
 
 
 class LeaseReply(WireModel):
@@ -97,6 +128,13 @@ class LeaseReply(WireModel):
     reason: str = ""
 
 
+class CancelRequest(WireModel):
+    """A host asks to cancel one of its own operations (answered with its status)."""
+
+    operation_id: str = Field(pattern=TOKEN_PATTERN)
+    reason: str = Field(default="", max_length=500)
+
+
 class StatusRequest(WireModel):
     """A host asks where one of its operations stands."""
 
@@ -115,6 +153,11 @@ class OperationStatus(WireModel):
     outcome: dict[str, Any] | None = None
     result: ResultEnvelope | None = None
     error: ErrorInfo | None = None
+    cancel: Literal["requested", "too_late"] | None = Field(
+        default=None,
+        description="`requested`: a cancel waits for the running executor; `too_late`: a"
+        " cancel came after the effect, and `outcome` says what happened.",
+    )
 
 
 class FeedEvent(WireModel):

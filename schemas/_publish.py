@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from schemas._decision import Decision, ValidationIssue
 from schemas._errors import ErrorEnvelope
 from schemas._messages import (
+    CancelRequest,
     FeedEvent,
     LeaseReply,
     LeaseRequest,
@@ -41,6 +42,7 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "lease-request": LeaseRequest,
     "lease-reply": LeaseReply,
     "status-request": StatusRequest,
+    "cancel-request": CancelRequest,
     "operation-status": OperationStatus,
     "feed-event": FeedEvent,
 }

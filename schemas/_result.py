@@ -11,7 +11,21 @@ from pydantic import Field
 from schemas._base import WireModel
 from schemas._errors import ErrorInfo
 
-__all__ = ["Provenance", "ResultEnvelope", "ResultOutcome", "TrustLabel"]
+__all__ = [
+    "CANCELLED_BEFORE_EFFECT",
+    "RECONCILE_UNSUPPORTED",
+    "Provenance",
+    "ResultEnvelope",
+    "ResultOutcome",
+    "TrustLabel",
+]
+
+CANCELLED_BEFORE_EFFECT = "CANCELLED"
+"""The error code of a result that says: cancelled while running, stopped before any
+side effect (the tool's `cancel` hook said so). It settles a cancel request."""
+RECONCILE_UNSUPPORTED = "RECONCILE_UNSUPPORTED"
+"""The error code of an unknown outcome from an executor that cannot look earlier
+attempts up (its tool has no `reconcile`): the ledger asks a person at once."""
 
 
 class ResultOutcome(StrEnum):

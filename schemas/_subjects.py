@@ -85,8 +85,11 @@ def work_consumer(tool: str) -> str:
     return f"exec_{check_token(tool)}"
 
 
-def work_message_id(operation_id: str, attempt: int) -> str:
-    """The `Nats-Msg-Id` of one attempt's work item: one item per attempt, deduplicated."""
+def work_message_id(operation_id: str, attempt: int, lookup: int = 0) -> str:
+    """The `Nats-Msg-Id` of one attempt's work item: one item per attempt, deduplicated;
+    with `lookup`, of the item for that lookup of the attempt's unknown outcome."""
+    if lookup:
+        return f"{operation_id}:attempt-{attempt}:lookup-{lookup}"
     return f"{operation_id}:attempt-{attempt}"
 
 
@@ -145,6 +148,11 @@ class Subjects:
         return "ops.status.*"
 
     @staticmethod
+    def all_cancel_requests() -> str:
+        """Every host's cancel subject (`ops.cancel.*`), served by the ledger."""
+        return "ops.cancel.*"
+
+    @staticmethod
     def all_lease_requests() -> str:
         """Every tool's lease subject (`ops.lease.*`), served by the ledger."""
         return "ops.lease.*"
@@ -180,6 +188,11 @@ class Subjects:
     def status(host: str) -> str:
         """Where host `host` asks for an operation's status (request/reply)."""
         return f"ops.status.{check_token(host)}"
+
+    @staticmethod
+    def cancel(host: str) -> str:
+        """Where host `host` asks to cancel one of its own operations (request/reply)."""
+        return f"ops.cancel.{check_token(host)}"
 
     @staticmethod
     def outcome(host: str, operation_id: str) -> str:

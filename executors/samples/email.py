@@ -15,10 +15,19 @@ It lives in a SQLite file named by the executor's secret `email_provider_db`
 test that counts side effects with `count_sends` and `count_send_requests`,
 share one provider.
 
-Test hook: with `OPLEDGER_TEST_CRASH_AFTER_SEND=1` the process exits hard
-(status 137, like SIGKILL) right after the provider recorded a new send and
-before any result is published or the work item acked. Redelivery must then
-converge on exactly one send.
+- a send still in flight under a key is known as such (`in_progress`), the
+  way a provider answers "409: a request with this key is in progress".
+
+Test hooks:
+
+- with `OPLEDGER_TEST_CRASH_AFTER_SEND=1` the process exits hard (status
+  137, like SIGKILL) right after the provider recorded a new send and before
+  any result is published or the work item acked. Redelivery must then
+  converge on exactly one send.
+- with `OPLEDGER_TEST_SEND_HANG_S=<seconds>` the provider hangs that long
+  inside each new send (in progress, nothing sent yet) before it sends: past
+  the contract's timeout, the call's outcome is unknown, and only the
+  lookups after it can tell when it landed.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import closing, contextmanager
@@ -42,6 +52,7 @@ from schemas import ErrorCategory
 __all__ = [
     "CRASH_AFTER_SEND_ENV",
     "EMAIL_DB_SECRET",
+    "SEND_HANG_ENV",
     "FakeEmailProvider",
     "IdempotencyKeyReused",
     "SendRecord",
@@ -55,6 +66,8 @@ EMAIL_DB_SECRET = "email_provider_db"
 """The secret naming the provider's SQLite file (`OPLEDGER_SECRET_EMAIL_PROVIDER_DB`)."""
 CRASH_AFTER_SEND_ENV = "OPLEDGER_TEST_CRASH_AFTER_SEND"
 """Set to `1` to make the executor die right after a new send (tests only)."""
+SEND_HANG_ENV = "OPLEDGER_TEST_SEND_HANG_S"
+"""Set to a number of seconds to make each new send hang that long first (tests only)."""
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS sends ("
@@ -78,6 +91,9 @@ _SCHEMA = (
     " idempotency_key TEXT NOT NULL,"
     " outcome TEXT NOT NULL,"  # sent, deduplicated or refused
     " requested_at TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS in_flight ("
+    " idempotency_key TEXT PRIMARY KEY,"
+    " started_at TEXT NOT NULL)",
 )
 _REQUEST = "INSERT INTO send_requests (idempotency_key, outcome, requested_at) VALUES (?, ?, ?)"
 _SUBJECTS = {
@@ -156,8 +172,19 @@ class FakeEmailProvider:
         body: str,
         recipients: Sequence[tuple[str, str]],
         rejected_recipient_ids: Sequence[str] = (),
+        hang_s: float = 0.0,
     ) -> SendRecord:
-        """Send one message to each (customer ID, address), once per idempotency key."""
+        """Send one message to each (customer ID, address), once per idempotency key.
+
+        `hang_s`: a hung provider (tests): the send is in flight that long first.
+        """
+        if hang_s > 0 and self.lookup(idempotency_key) is None:
+            with self._connection() as db:
+                db.execute(
+                    "INSERT OR IGNORE INTO in_flight VALUES (?, ?)",
+                    (idempotency_key, datetime.now(UTC).isoformat()),
+                )
+            time.sleep(hang_s)
         recipient_ids = [customer for customer, _ in recipients]
         request_hash = hashlib.sha256(
             json.dumps(
@@ -203,6 +230,7 @@ class FakeEmailProvider:
                         )
                     ],
                 )
+                db.execute("DELETE FROM in_flight WHERE idempotency_key = ?", (idempotency_key,))
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
@@ -223,6 +251,14 @@ class FakeEmailProvider:
         with self._connection() as db:
             row = db.execute(_SELECT, (idempotency_key,)).fetchone()
         return None if row is None else _record(row)
+
+    def in_progress(self, idempotency_key: str) -> bool:
+        """Whether a send under this key has started and not yet finished."""
+        with self._connection() as db:
+            row = db.execute(
+                "SELECT 1 FROM in_flight WHERE idempotency_key = ?", (idempotency_key,)
+            ).fetchone()
+        return row is not None
 
 
 def _count(path: str | Path, table: str, operation_id: str | None) -> int:
@@ -326,6 +362,7 @@ def send_customer_email(arguments: Mapping[str, Any], context: ToolContext) -> d
             body=body,
             recipients=accepted,
             rejected_recipient_ids=rejected,
+            hang_s=float(os.environ.get(SEND_HANG_ENV) or 0),
         )
     except IdempotencyKeyReused:
         raise ToolError(
@@ -358,7 +395,11 @@ def _not_sent_yet(arguments: Mapping[str, Any], context: ToolContext) -> Precond
 
 @send_customer_email.reconciler
 def _lookup_send(operation_id: str, context: ToolContext) -> Reconciliation:
-    record = _provider(context).lookup(operation_id)
+    provider = _provider(context)
+    record = provider.lookup(operation_id)
+    if record is None and provider.in_progress(operation_id):
+        # Neither sent nor not sent: "not applied" now could be wrong a moment later.
+        return Reconciliation.unknown("a send under this key is still in progress")
     if record is None:
         return Reconciliation.not_applied("the provider has no send under this operation's key")
     return Reconciliation.applied(record.as_output())

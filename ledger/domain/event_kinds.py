@@ -18,6 +18,7 @@ from typing import Any
 
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
+from schemas import WorkPurpose
 
 __all__ = ["EVENT_KINDS", "EventKind", "event_kind", "event_types", "when_text"]
 
@@ -36,10 +37,13 @@ class EventKind:
     """A one-line account of one event of this type, for people."""
     state: OperationState | StateAfter | None = None
     """The state the operation is in after it; None: unchanged."""
-    dispatches: bool = False
-    """After it, the operation needs a work item on its tool's queue."""
+    dispatches: WorkPurpose | None = None
+    """After it, the operation needs a work item on its tool's queue: to run an attempt
+    (it became ready) or to look an attempt's outcome up (it became unknown)."""
     settles: bool = False
     """After it, the operation has an outcome its host is told of."""
+    notifies: bool = False
+    """After it, the host is told of a state that is not final (it needs a person)."""
 
     @property
     def name(self) -> str:
@@ -132,7 +136,7 @@ _KINDS = (
             else "ready to run"
         ),
         state=S.READY,
-        dispatches=True,
+        dispatches=WorkPurpose.EXECUTE,
     ),
     EventKind(
         Op.LeaseClaimed,
@@ -146,6 +150,7 @@ _KINDS = (
         Op.LeaseExpired,
         lambda e: f"lease {e.fencing_token} expired; outcome unknown",
         state=S.OUTCOME_UNKNOWN,
+        dispatches=WorkPurpose.RECONCILE,
     ),
     EventKind(
         Op.ExecutionRefused,
@@ -170,8 +175,10 @@ _KINDS = (
     ),
     EventKind(
         Op.OutcomeUnknown,
-        lambda e: f"outcome unknown on attempt {e.attempt}: {e.reason or '-'}",
+        lambda e: f"outcome unknown on attempt {e.attempt}: {e.reason or '-'}"
+        + (f"; looked up from {when_text(e.not_before)}" if e.not_before else ""),
         state=S.OUTCOME_UNKNOWN,
+        dispatches=WorkPurpose.RECONCILE,
     ),
     EventKind(
         Op.ReconciliationStarted,
@@ -186,14 +193,26 @@ _KINDS = (
     ),
     EventKind(
         Op.ReconciliationInconclusive,
-        lambda e: f"reconciliation by {e.by} inconclusive: {e.reason or '-'}",
+        lambda e: (
+            f"lookup {e.round} by {e.by} inconclusive: {e.reason or '-'}"
+            + (f"; next not before {when_text(e.not_before)}" if e.not_before else "")
+        ),
         state=S.OUTCOME_UNKNOWN,
+        dispatches=WorkPurpose.RECONCILE,
+    ),
+    EventKind(
+        Op.ResolutionNeeded,
+        lambda e: (
+            f"needs a person: {e.reason}" + (f" ({e.lookup_reason})" if e.lookup_reason else "")
+        ),
+        state=S.NEEDS_RESOLUTION,
+        notifies=True,
     ),
     EventKind(
         Op.RetryScheduled,
         lambda e: f"retry after attempt {e.after_attempt}, not before {when_text(e.not_before)}",
         state=S.READY,
-        dispatches=True,
+        dispatches=WorkPurpose.EXECUTE,
     ),
     EventKind(
         Op.StaleResultRecorded,

@@ -20,12 +20,15 @@ from ledger.domain.errors import IllegalTransition, InvalidArgument, TamperDetec
 from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event, event_hash
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
-from ledger.domain.values import Approval, Lease, Outcome, OutcomeStatus
-from schemas import ResultOutcome, RiskLevel
+from ledger.domain.values import Approval, Lease, Outcome, OutcomeStatus, ReconcilePlan
+from schemas import CANCELLED_BEFORE_EFFECT, RECONCILE_UNSUPPORTED, ResultOutcome, RiskLevel
 
 __all__ = ["ALLOWED", "Operation", "Refusal"]
 
 S = OperationState
+
+
+_DEFAULT_PLAN = ReconcilePlan()
 
 
 class Refusal(str):
@@ -49,6 +52,7 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
             S.FAILED,
             S.OUTCOME_UNKNOWN,
             S.RECONCILING,
+            S.NEEDS_RESOLUTION,
         }
     ),
     "deny_approval": frozenset({S.AWAITING_APPROVAL}),
@@ -63,13 +67,14 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
             S.CANCEL_REQUESTED,
             S.OUTCOME_UNKNOWN,
             S.RECONCILING,
+            S.NEEDS_RESOLUTION,
             S.SUCCEEDED,
             S.FAILED,
             S.CANCELLED,
         }
     ),
     "start_reconciliation": frozenset({S.OUTCOME_UNKNOWN}),
-    "reconcile": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING}),
+    "reconcile": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION}),
     "schedule_retry": frozenset({S.FAILED}),
     "request_cancel": frozenset(
         {
@@ -159,7 +164,9 @@ class Operation(BaseAggregate[str]):
             aggregate.leases = ()
             aggregate.outcome = None
             aggregate.cancel_requested = False
+            aggregate.cancel_too_late = False
             aggregate.not_before = None
+            aggregate.reconcile_rounds = 0
 
     class Validated(Event):
         """The layered check passed: the call is well-formed, allowed, and its risk known."""
@@ -300,10 +307,15 @@ class Operation(BaseAggregate[str]):
         """The executor did not report in time; the side effect may have happened."""
 
         fencing_token: int
+        attempt: int = 0
+        """The attempt whose lease ran out (0 in events stored before it was recorded)."""
 
         def apply_to(self, aggregate: Any) -> None:
+            # Looked up at once: the lease already waited out the call.
             aggregate.state = S.OUTCOME_UNKNOWN
             aggregate.lease = None
+            aggregate.not_before = None
+            aggregate.reconcile_rounds = 0
 
     class ExecutionRefused(Event):
         """At the lease, the call no longer holds and will not run: its approval expired
@@ -376,10 +388,14 @@ class Operation(BaseAggregate[str]):
         attempt: int
         executor: str
         reason: str
+        not_before: datetime | None = None
+        """The first lookup waits until then (a hung call may still land meanwhile)."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.OUTCOME_UNKNOWN
             aggregate.lease = None
+            aggregate.not_before = self.not_before
+            aggregate.reconcile_rounds = 0
 
     class ReconciliationStarted(Event):
         """Someone is looking the outcome up at the provider."""
@@ -427,13 +443,42 @@ class Operation(BaseAggregate[str]):
                 )
 
     class ReconciliationInconclusive(Event):
-        """A reconciliation could not tell what happened; a human (or a later try) must."""
+        """A lookup could not tell what happened; a later round (or a person) must."""
 
         by: str
         reason: str = ""
+        round: int = 0
+        """Which lookup of this attempt's outcome this was (1, 2, ...); 0 before rounds."""
+        not_before: datetime | None = None
+        """The next round is not leased before this."""
+        code: str = ""
+        """The executor's error code (`RECONCILE_INCONCLUSIVE`, `RECONCILE_FAILED`)."""
+        attempt: int = 0
+        """The attempt whose outcome was looked up (0 in events stored before it was)."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.OUTCOME_UNKNOWN
+            aggregate.not_before = self.not_before
+            aggregate.reconcile_rounds = self.round
+
+    class ResolutionNeeded(Event):
+        """Reconciliation gave up: a person must say what happened (`ops resolve`).
+
+        It stands for the last, inconclusive lookup too (who made it, its code),
+        so that no lookup is left waiting for a round that will not come.
+        """
+
+        by: str
+        reason: str
+        rounds: int
+        """How many lookups could not tell."""
+        code: str = ""
+        lookup_reason: str = ""
+        """What the last lookup said."""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.NEEDS_RESOLUTION
+            aggregate.not_before = None
 
     class RetryScheduled(Event):
         """A failed attempt will be retried; the operation is ready again."""
@@ -489,6 +534,9 @@ class Operation(BaseAggregate[str]):
         by: str
         outcome: str
 
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.cancel_too_late = True
+
     class PublicationSetAside(Event):
         """The relay could not publish this operation's event at `version` and moved on.
 
@@ -534,8 +582,13 @@ class Operation(BaseAggregate[str]):
         leases: tuple[Lease, ...]
         outcome: Outcome | None
         cancel_requested: bool
+        cancel_too_late: bool
+        """A cancel came after the effect (`CancelTooLate`): the outcome says what happened."""
         not_before: datetime | None
-        """A scheduled retry may not be leased before this time (`RetryScheduled`)."""
+        """A scheduled retry, or the next lookup of an unknown outcome, is not leased
+        before this time (`RetryScheduled`, `OutcomeUnknown`, `ReconciliationInconclusive`)."""
+        reconcile_rounds: int
+        """How many lookups of the current attempt's unknown outcome were inconclusive."""
 
     # ------------------------------------------------------------- commands
 
@@ -803,7 +856,9 @@ class Operation(BaseAggregate[str]):
         assert self.lease is not None
         if now < self.lease.expires_at:
             raise IllegalTransition("the lease has not expired yet", operation_id=self.id)
-        self._trigger(self.LeaseExpired, now, fencing_token=self.fencing_token)
+        self._trigger(
+            self.LeaseExpired, now, fencing_token=self.fencing_token, attempt=self.attempt
+        )
 
     def record_result(
         self,
@@ -819,11 +874,14 @@ class Operation(BaseAggregate[str]):
         retryable: bool = False,
         reason: str = "",
         envelope_hash: str = "",
+        reconcile: ReconcilePlan = _DEFAULT_PLAN,
     ) -> ResultDisposition:
         """Take an executor's report; duplicates converge, stale and late ones are only noted.
 
         `envelope_hash` binds the envelope kept under `result_ref` to the event
-        that settles the outcome (Succeeded, Failed or Reconciled).
+        that settles the outcome (Succeeded, Failed or Reconciled). `reconcile`
+        (from the pinned contract) says when an unknown outcome is looked up
+        and after how many inconclusive lookups a person must settle it.
         """
         self._guard("record_result")
         # Events store the plain value (their bytes are hashed), never the enum.
@@ -842,9 +900,11 @@ class Operation(BaseAggregate[str]):
             return ResultDisposition.STALE
         if self.state in TERMINAL_STATES or self.state is S.READY:
             return self._late_result(fencing_token, executor, outcome, output_hash, now)
-        if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING):
+        if self.state is S.NEEDS_RESOLUTION and outcome == ResultOutcome.UNKNOWN:
+            return ResultDisposition.DUPLICATE  # still unknown: the person decides
+        if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION):
             if outcome == ResultOutcome.UNKNOWN:
-                self._trigger(self.ReconciliationInconclusive, now, by=executor, reason=reason)
+                self._inconclusive(executor, reason, code, reconcile, now)
                 return ResultDisposition.ACCEPTED
             self._reconcile(
                 outcome,
@@ -871,6 +931,13 @@ class Operation(BaseAggregate[str]):
                 result_ref=result_ref,
                 envelope_hash=envelope_hash,
             )
+        elif (
+            outcome == ResultOutcome.FAILED
+            and code == CANCELLED_BEFORE_EFFECT
+            and self.state is S.CANCEL_REQUESTED
+        ):
+            # The executor stopped the call on the cancel request, before any effect.
+            self._trigger(self.Cancelled, now, by=executor)
         elif outcome == ResultOutcome.FAILED:
             self._trigger(
                 self.Failed,
@@ -892,8 +959,46 @@ class Operation(BaseAggregate[str]):
                 attempt=self.attempt,
                 executor=executor,
                 reason=reason,
+                not_before=now + reconcile.delay(0),
             )
         return ResultDisposition.ACCEPTED
+
+    def _inconclusive(
+        self, by: str, reason: str, code: str, plan: ReconcilePlan, now: datetime
+    ) -> None:
+        """One more lookup could not tell: another round later, or a person now.
+
+        An executor that cannot look anything up (`RECONCILE_UNSUPPORTED`) ends
+        the rounds at once: asking it again would only wait longer.
+        """
+        rounds = self.reconcile_rounds + 1
+        reason = reason[:500]
+        if code == RECONCILE_UNSUPPORTED or rounds >= plan.max_rounds:
+            why = (
+                "the executor cannot look the outcome up"
+                if code == RECONCILE_UNSUPPORTED
+                else f"{rounds} lookup(s) could not tell whether it took effect"
+            )
+            self._trigger(
+                self.ResolutionNeeded,
+                now,
+                by=by,
+                reason=why,
+                rounds=rounds,
+                code=code,
+                lookup_reason=reason,
+            )
+            return
+        self._trigger(
+            self.ReconciliationInconclusive,
+            now,
+            by=by,
+            reason=reason,
+            round=rounds,
+            not_before=now + plan.delay(rounds),
+            code=code,
+            attempt=self.attempt,
+        )
 
     def _late_result(
         self, token: int, executor: str, outcome: str, output_hash: str, now: datetime

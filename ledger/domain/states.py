@@ -23,6 +23,8 @@ class OperationState(StrEnum):
     FAILED = "failed"
     OUTCOME_UNKNOWN = "outcome_unknown"
     RECONCILING = "reconciling"
+    NEEDS_RESOLUTION = "needs_resolution"
+    """Reconciliation could not tell: a person must settle it (`opledger ops resolve`)."""
     CANCELLED = "cancelled"
 
     @property

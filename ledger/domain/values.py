@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["Approval", "Lease", "Outcome", "OutcomeStatus"]
+__all__ = ["Approval", "Lease", "Outcome", "OutcomeStatus", "ReconcilePlan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +125,23 @@ class Outcome:
         if self.envelope_hash and status is OutcomeStatus.SUCCEEDED:
             body["envelope_hash"] = self.envelope_hash
         return body
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcilePlan:
+    """How often, and how soon, an unknown outcome is looked up before a person decides.
+
+    The service derives it from the pinned contract's `reconcile` policy; the
+    aggregate uses it when an outcome becomes unknown and when a lookup is
+    inconclusive. The default is the contract's default.
+    """
+
+    max_rounds: int = 5
+    initial_delay: timedelta = timedelta(seconds=1)
+    multiplier: float = 2.0
+    max_delay: timedelta = timedelta(seconds=60)
+
+    def delay(self, rounds_done: int) -> timedelta:
+        """How long to wait before lookup round `rounds_done + 1`."""
+        wait = self.initial_delay * self.multiplier ** max(rounds_done, 0)
+        return min(wait, self.max_delay)

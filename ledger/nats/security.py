@@ -241,6 +241,7 @@ def permissions_for(role: Role, name: str) -> Permissions:
             subscribe=(
                 Subjects.all_proposals(),
                 Subjects.all_status_requests(),
+                Subjects.all_cancel_requests(),
                 Subjects.all_lease_requests(),
                 inbox,
             ),
@@ -251,7 +252,7 @@ def permissions_for(role: Role, name: str) -> Permissions:
         )
     if role is Role.HOST:
         return Permissions(
-            publish=(Subjects.propose(name), Subjects.status(name)),
+            publish=(Subjects.propose(name), Subjects.status(name), Subjects.cancel(name)),
             subscribe=(Subjects.all_outcomes(name), inbox),
         )
     if role is Role.EXECUTOR:
@@ -607,7 +608,12 @@ def write_server_config(
 
 
 # Which requester may send a request on each request subject the ledger serves.
-_REQUESTER_ROLE = {"propose": Role.HOST, "status": Role.HOST, "lease": Role.EXECUTOR}
+_REQUESTER_ROLE = {
+    "propose": Role.HOST,
+    "status": Role.HOST,
+    "cancel": Role.HOST,
+    "lease": Role.EXECUTOR,
+}
 # The reply subject the server gives a request that came through a service import.
 _IMPORTED_REPLY = "_R_"
 

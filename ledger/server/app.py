@@ -35,6 +35,7 @@ from ledger.service import Ledger
 from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
+    CancelRequest,
     ErrorCategory,
     ErrorEnvelope,
     ErrorInfo,
@@ -192,6 +193,7 @@ class LedgerService:
         # docs/wire-format.md#errors), told from an answer by its `ok`.
         await requests.serve(Subjects.all_proposals(), self._on_propose, error_reply=_refused)
         await requests.serve(Subjects.all_status_requests(), self._on_status)
+        await requests.serve(Subjects.all_cancel_requests(), self._on_cancel)
         await requests.serve(Subjects.all_lease_requests(), self._lease)
         self._requests = requests
 
@@ -205,6 +207,16 @@ class LedgerService:
             return _failed(_invalid(exc))
         try:
             return _reply(await self._gateway.status(request.operation_id, host))
+        except OpledgerError as error:
+            return _failed(error.to_info(), request.operation_id)
+
+    async def _on_cancel(self, body: bytes, host: str) -> bytes:
+        try:
+            request = CancelRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _failed(_invalid(exc))
+        try:
+            return _reply(await self._gateway.cancel(request.operation_id, host, request.reason))
         except OpledgerError as error:
             return _failed(error.to_info(), request.operation_id)
 
@@ -245,7 +257,12 @@ class LedgerService:
         except ValidationError as exc:
             return _failed(_invalid(exc))
         try:
-            reply = await self._gateway.lease(request.operation_id, request.executor, tool)
+            if request.holding is not None:
+                reply = await self._gateway.check_in(
+                    request.operation_id, tool, request.holding
+                )
+            else:
+                reply = await self._gateway.lease(request.operation_id, request.executor, tool)
         except OpledgerError as error:
             return _failed(error.to_info(), request.operation_id)
         return _reply(reply)

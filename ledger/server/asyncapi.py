@@ -32,6 +32,7 @@ from faststream.specification import AsyncAPI
 from pydantic import BaseModel
 
 from schemas import (
+    CancelRequest,
     ErrorEnvelope,
     FeedEvent,
     LeaseReply,
@@ -83,8 +84,12 @@ CHANNELS: tuple[Channel, ...] = (
             description="A host asks where one of its operations stands (request/reply)."),
     Channel("status_reply", _REPLY, OperationStatus, received=False,
             description="The answer to a status request."),
+    Channel("cancel", _address(Subjects.cancel, "host"), CancelRequest, received=True,
+            description="A host cancels one of its own operations (request/reply); the"
+            " answer is its status after the cancel (`status_reply`) or `request_refused`."),
     Channel("lease", _address(Subjects.lease, "tool"), LeaseRequest, received=True,
-            description="An executor asks for the lease on one operation (request/reply)."),
+            description="An executor asks for the lease on one operation, or checks in"
+            " while it runs one (`holding`: the answer may be `cancel`) (request/reply)."),
     Channel("lease_reply", _REPLY, LeaseReply, received=False,
             description="The answer to a lease request."),
     Channel("request_refused", _REPLY, ErrorEnvelope, received=False,
@@ -92,7 +97,8 @@ CHANNELS: tuple[Channel, ...] = (
             " (`ok` is false; `meta.operation_id` names the operation asked about)."),
     Channel("work", _address(Subjects.work, "tool"), WorkItem, received=False,
             description="A ready operation queued for its tool's executors (JetStream"
-            " OPS_WORK, `Nats-Msg-Id` `<operation_id>:attempt-<n>`)."),
+            " OPS_WORK, `Nats-Msg-Id` `<operation_id>:attempt-<n>`), or an unknown outcome"
+            " to look up (`purpose: reconcile`, `<operation_id>:attempt-<n>:lookup-<k>`)."),
     Channel("result", _address(Subjects.result, "tool"), ResultEnvelope, received=True,
             description="One attempt's result, published by its executor (JetStream"
             " OPS_RESULTS)."),
@@ -101,7 +107,8 @@ CHANNELS: tuple[Channel, ...] = (
             " `Nats-Msg-Id` `<operation_id>:<version>`)."),
     Channel("outcome", _address(Subjects.outcome, "host", "operation_id"), OperationStatus,
             received=False,
-            description="The final outcome of one of a host's operations (core NATS, best"
+            description="The final outcome of one of a host's operations, or a notice,"
+            " not final, that it needs a person (`needs_resolution`) (core NATS, best"
             " effort: the host asks for the status when none comes)."),
 )
 """Every subject of the wire, with the `schemas` model of its messages."""

@@ -35,6 +35,7 @@ from schemas import (
     OperationStatus,
     OpledgerError,
     ResultEnvelope,
+    ledger_operation_id,
 )
 
 __all__ = ["LedgerGateway"]
@@ -119,6 +120,19 @@ class LedgerGateway:
         """Answer a lease request (batched with others)."""
         result: LeaseReply = await self._enqueue("lease", (operation_id, executor, tool))
         return result
+
+    async def check_in(self, operation_id: str, tool: str, holding: int) -> LeaseReply:
+        """Answer a running executor's check-in (read only, so not batched)."""
+        return self.ledger.leasing.check_in(operation_id, tool=tool, holding=holding)
+
+    async def cancel(self, operation_id: str, host: str, reason: str) -> OperationStatus:
+        """A host cancels one of its own operations; its status after the cancel."""
+        # Its own only: the status, asked in the host's namespace, is refused
+        # (no such operation) for anyone else's, before anything is appended.
+        self.ledger.status(operation_id, host=host)
+        self.ledger.cancel(ledger_operation_id(host, operation_id), by=f"host:{host}",
+                           reason=reason)
+        return self.ledger.status(operation_id, host=host)
 
     async def record_many(
         self, envelopes: Sequence[ResultEnvelope]

@@ -58,6 +58,20 @@ class LedgerMetrics:
             "From reconciliation start to its end",
             registry=r,
         )
+        self.lookups = Counter(
+            "tool_reconciliation_lookups_total",
+            "Lookups of unknown outcomes that could not tell (settled ones are in"
+            " tool_executions_total as reconciled_*)",
+            ["tool"],
+            registry=r,
+        )
+        self.needs_resolution = Counter(
+            "tool_operations_needing_resolution_total",
+            "Unknown outcomes reconciliation gave up on: a person must settle each"
+            " (`opledger ops list --state needs_resolution`)",
+            ["tool"],
+            registry=r,
+        )
         self.relay_set_aside = Counter(
             "opledger_relay_events_set_aside_total",
             "Events the relay could not publish and went on without"
@@ -116,6 +130,11 @@ class LedgerMetrics:
             self.retries.labels("retryable_failure").inc()
         elif kind == "ReconciliationStarted":
             self._start("reconcile", operation_id, at)
+        elif kind == "ReconciliationInconclusive":
+            self.lookups.labels(tool).inc()
+        elif kind == "ResolutionNeeded":
+            self.lookups.labels(tool).inc()  # it stands for the last lookup too
+            self.needs_resolution.labels(tool).inc()
         elif kind == "Reconciled":
             self.executions.labels(tool, f"reconciled_{event['outcome']}").inc()
             took = self._since("reconcile", operation_id, at)

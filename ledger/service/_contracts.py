@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 from ledger.domain.operation import Operation
+from ledger.domain.values import ReconcilePlan
 from policy import CompiledSchema, ToolContract
 from schemas import CheckStage
 
-__all__ = ["PinnedContracts"]
+__all__ = ["PinnedContracts", "reconcile_plan"]
 
 
 class PinnedContracts:
@@ -55,3 +57,16 @@ class PinnedContracts:
             if not any(path == r or path.startswith(f"{r}/") for r in redacted):
                 return f"{issue.keyword} at {path or '/'}"
         return None
+
+
+def reconcile_plan(contract: ToolContract | None) -> ReconcilePlan:
+    """The contract's `reconcile` policy as the aggregate takes it (the default without one)."""
+    if contract is None:
+        return ReconcilePlan()
+    policy = contract.reconcile
+    return ReconcilePlan(
+        max_rounds=policy.max_rounds,
+        initial_delay=timedelta(milliseconds=policy.initial_delay_ms),
+        multiplier=policy.backoff_multiplier,
+        max_delay=timedelta(milliseconds=policy.max_delay_ms),
+    )

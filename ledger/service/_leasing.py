@@ -49,8 +49,10 @@ class Leasing:
         READY but its approval lapsed, or its contract no longer in force: the
         call is refused (`ExecutionRefused`) and answered DONE.
         A live lease held by someone: BUSY (try later). An expired lease or an
-        unknown outcome: RECONCILE (look the outcome up, never run again).
-        Anything final: DONE, which is how redelivered work items converge.
+        unknown outcome: RECONCILE (look the outcome up, never run again), but
+        BUSY with `not_before` until its next lookup is due. Anything final, or
+        waiting for a person (`needs_resolution`): DONE, which is how
+        redelivered work items converge.
         """
         now = self._clock()
         return self._runner.batch(
@@ -58,6 +60,39 @@ class Leasing:
                 (operation_id, partial(self._lease, executor=executor, tool=tool, now=now))
                 for operation_id, executor, tool in requests
             ]
+        )
+
+    def check_in(self, operation_id: str, *, tool: str | None, holding: int) -> LeaseReply:
+        """An executor running the call under fencing token `holding` asks whether to go on.
+
+        Nothing is appended. CANCEL: the operation was cancelled while it runs
+        (stop if nothing happened yet, and report either way); EXECUTE: go on;
+        DONE: the lease is no longer this executor's (another token, or settled).
+        An operation of another tool is `OperationNotFound`, as for a lease.
+        """
+        operation = self._runner.current(operation_id)
+        if tool is not None and operation.tool != tool:
+            raise OperationNotFound("no such operation", operation_id=operation_id)
+        if operation.fencing_token != holding or operation.state not in (
+            OperationState.EXECUTING,
+            OperationState.CANCEL_REQUESTED,
+        ):
+            return _done(operation)
+        decision = (
+            LeaseDecision.CANCEL
+            if operation.state is OperationState.CANCEL_REQUESTED
+            else LeaseDecision.EXECUTE
+        )
+        lease = operation.lease
+        return LeaseReply(
+            decision=decision,
+            operation_id=operation.id,
+            tool=operation.tool,
+            tool_version=operation.tool_version,
+            fencing_token=holding,
+            attempt=operation.attempt,
+            lease_expires_at=lease.expires_at if lease is not None else None,
+            reason="cancel requested" if decision is LeaseDecision.CANCEL else "",
         )
 
     def _lease(
@@ -95,12 +130,7 @@ class Leasing:
             if operation.not_before is not None and now < operation.not_before:
                 # A scheduled retry's backoff: the executor waits (a delayed nak)
                 # until then, rather than asking again and again.
-                return LeaseReply(
-                    decision=LeaseDecision.BUSY,
-                    operation_id=operation.id,
-                    not_before=operation.not_before,
-                    reason=f"retry not before {operation.not_before}",
-                )
+                return _busy_until(operation, operation.not_before, "retry")
             ttl = timedelta(milliseconds=timeout_ms) + self._lease_grace
             checked: dict[str, Any] = {"contract_version": contract.version}
             if operation.approval is not None:
@@ -117,12 +147,25 @@ class Leasing:
                 )
             operation.expire_lease(now)
         if operation.state is OperationState.OUTCOME_UNKNOWN:
+            if operation.not_before is not None and now < operation.not_before:
+                # The next lookup's time has not come (a hung call may still land,
+                # or the last lookup was inconclusive): back then, not spinning.
+                return _busy_until(operation, operation.not_before, "look the outcome up")
             operation.start_reconciliation(by=executor, now=now)
         if operation.state is OperationState.RECONCILING:
             return _lease_reply(
                 LeaseDecision.RECONCILE, operation, operation.fencing_token, timeout_ms
             )
         return _done(operation)
+
+
+def _busy_until(operation: Operation, not_before: datetime, what: str) -> LeaseReply:
+    return LeaseReply(
+        decision=LeaseDecision.BUSY,
+        operation_id=operation.id,
+        not_before=not_before,
+        reason=f"{what} not before {not_before}",
+    )
 
 
 def _done(operation: Operation) -> LeaseReply:

@@ -10,7 +10,7 @@ from ledger.adapters.results import ResultStore, envelope_text_hash
 from ledger.domain.errors import LedgerError
 from ledger.domain.operation import Operation
 from ledger.domain.states import ResultDisposition
-from ledger.service._contracts import PinnedContracts
+from ledger.service._contracts import PinnedContracts, reconcile_plan
 from ledger.service._runner import CommandRunner
 from policy import DEFAULT_LIMITS, ToolContract, json_value_issue
 from schemas import ResultEnvelope, ResultOutcome, canonical_json, sha256_hex
@@ -128,6 +128,7 @@ class ResultRecording:
             retryable=retryable,
             reason=reason,
             envelope_hash=envelope_hash,
+            reconcile=reconcile_plan(contract),
         )
         if disposition is ResultDisposition.ACCEPTED:
             # Kept only where a settling event names it (not for an unknown

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from ledger.adapters.results import ResultStore
 from ledger.audit.model import served_result
 from ledger.domain.errors import OperationNotFound
-from ledger.domain.states import TERMINAL_STATES
+from ledger.domain.operation import Operation
+from ledger.domain.states import TERMINAL_STATES, OperationState
 from ledger.service._runner import CommandRunner
 from schemas import OperationStatus, ledger_operation_id
 
@@ -61,4 +64,13 @@ class StatusReader:
             attempts=operation.attempt,
             outcome=outcome,
             result=result,
+            cancel=_cancel_note(operation),
         )
+
+
+def _cancel_note(operation: Operation) -> Literal["requested", "too_late"] | None:
+    if operation.cancel_too_late:
+        return "too_late"
+    if operation.state is OperationState.CANCEL_REQUESTED:
+        return "requested"
+    return None

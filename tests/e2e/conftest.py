@@ -112,11 +112,16 @@ class BackendStack:
         return build_ledger(self.storage, resolver=resolver, rules=rules,
                             contracts_dir=self.contracts)
 
+    @property
+    def email_db(self) -> Path:
+        """The fake e-mail provider's file, shared by the executors and the test."""
+        return self.home / "email-provider.db"
+
     def start_executor(
-        self, tool: str, *options: str, spec: str | None = None
+        self, tool: str, *options: str, spec: str | None = None, **env: str
     ) -> subprocess.Popen[bytes]:
         """One executor process of `tool` (the sample one, or `spec`), with its own
-        credentials."""
+        credentials (and `env` added to its environment)."""
         name = f"executor-{tool}-{len(self.executors)}"
         process = subprocess.Popen(
             [sys.executable, "-m", "executors", "run", spec or SAMPLE_TOOLS[tool],
@@ -124,6 +129,7 @@ class BackendStack:
              "--nats-url", self.server.url, "--contracts", str(self.contracts),
              "--name", name, *options],
             stdout=(self.home / f"{name}.log").open("wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, "OPLEDGER_SECRET_EMAIL_PROVIDER_DB": str(self.email_db), **env},
         )
         self.executors.append(process)
         return process

@@ -11,6 +11,7 @@ from ledger import IllegalTransition, Operation, OperationState
 from ledger.domain.event_kinds import EVENT_KINDS, event_kind, event_types
 from ledger.domain.operation import ALLOWED
 from ledger.domain.states import TERMINAL_STATES
+from schemas import WorkPurpose
 from tests.ledger.test_state_machine import BUILDERS, COMMANDS, T0
 
 
@@ -51,6 +52,12 @@ def _walks() -> Iterator[Operation]:
         fencing_token=inconclusive.fencing_token, executor="e", outcome="unknown", now=T0
     )
     yield inconclusive
+    exhausted = BUILDERS[OperationState.RECONCILING]()
+    exhausted.record_result(
+        fencing_token=exhausted.fencing_token, executor="e", outcome="unknown",
+        code="RECONCILE_UNSUPPORTED", now=T0,
+    )
+    yield exhausted
 
 
 def test_every_event_type_is_registered() -> None:
@@ -80,12 +87,24 @@ def test_the_registry_states_agree_with_the_aggregate_for_every_event() -> None:
             assert kind.settles is reached, (
                 f"{kind.name} from {before} to {replayed.state}: settles={kind.settles}"
             )
+            # Dispatching means: it just became ready, so an attempt's work item goes
+            # out; or it set the outcome unknown (again), so a lookup's does.
             became_ready = replayed.state is OperationState.READY and before is not (
                 OperationState.READY
             )
-            assert kind.dispatches is became_ready, (
+            expected = (
+                WorkPurpose.EXECUTE
+                if became_ready
+                else WorkPurpose.RECONCILE
+                if replayed.state is OperationState.OUTCOME_UNKNOWN and kind.state is not None
+                else None
+            )
+            assert kind.dispatches is expected, (
                 f"{kind.name} from {before} to {replayed.state}: dispatches={kind.dispatches}"
             )
+            # Notifying means: it needs a person, and is not final.
+            needs_person = replayed.state is OperationState.NEEDS_RESOLUTION
+            assert kind.notifies is (needs_person and before is not replayed.state), kind
             assert kind.summary(event)  # every type has a summary that renders
             assert event_kind(f"ledger.domain.operation:Operation.{kind.name}") is kind
             seen.add(kind.name)

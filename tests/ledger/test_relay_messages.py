@@ -15,6 +15,7 @@ from schemas import (
     OperationStatus,
     Subjects,
     WorkItem,
+    WorkPurpose,
     feed_message_id,
     work_message_id,
 )
@@ -35,12 +36,16 @@ class FakeLedger:
     def __init__(self, status: OperationStatus | None = None) -> None:
         self.status = status
         self.asked: list[tuple[str, int, str]] = []
+        self.finals: list[bool] = []
 
     def sensitive(self, tool: str) -> tuple[str, ...]:
         return ("/query",) if tool == "search_documents" else ()
 
-    def final_status(self, operation_id: str, version: int, host: str) -> OperationStatus | None:
+    def final_status(
+        self, operation_id: str, version: int, host: str, final: bool = True
+    ) -> OperationStatus | None:
         self.asked.append((operation_id, version, host))
+        self.finals.append(final)
         return self.status
 
 
@@ -78,6 +83,35 @@ def test_a_dispatch_event_is_also_a_work_item_per_attempt(
     assert WorkItem.model_validate_json(work.payload) == WorkItem(
         operation_id="h1/op-1", tool="search_documents", tool_version="2.1.0", attempt=attempt
     )
+
+
+@pytest.mark.parametrize(("kind", "state", "attempt", "lookup"), [
+    ("OutcomeUnknown", {"attempt": 1}, 1, 1),
+    ("LeaseExpired", {"attempt": 2, "fencing_token": 2}, 2, 1),
+    ("ReconciliationInconclusive", {"attempt": 1, "round": 2}, 1, 3),
+    ("LeaseExpired", {"fencing_token": 1}, 1, 1),  # stored before it named its attempt
+])
+def test_an_unknown_outcome_is_also_a_work_item_per_lookup(
+    kind: str, state: dict[str, Any], attempt: int, lookup: int
+) -> None:
+    _feed, work = _build(_row(9, 4, kind, **state), FakeLedger())
+    assert (work.subject, work.message_id) == (
+        Subjects.work("search_documents"), work_message_id("h1/op-1", attempt, lookup),
+    )
+    assert work.message_id != work_message_id("h1/op-1", attempt)  # not the attempt's own
+    assert WorkItem.model_validate_json(work.payload) == WorkItem(
+        operation_id="h1/op-1", tool="search_documents", tool_version="2.1.0", attempt=attempt,
+        purpose=WorkPurpose.RECONCILE, lookup=lookup,
+    )
+
+
+def test_needing_a_person_is_announced_to_the_host_as_not_final() -> None:
+    status = OperationStatus(operation_id="op-1", state="needs_resolution", final=False)
+    fake = FakeLedger(status)
+    _feed, notice = _build(_row(10, 8, "ResolutionNeeded", rounds=3, reason="r", by="e"), fake)
+    assert (notice.subject, notice.message_id) == (Subjects.outcome("h1", "op-1"), None)
+    assert OperationStatus.model_validate_json(notice.payload) == status
+    assert fake.finals == [False]  # asked for a state that needs a person, not a final one
 
 
 def test_a_settling_event_announces_the_final_status_to_its_host_in_its_namespace() -> None:
@@ -125,7 +159,14 @@ def test_routes_are_learnt_from_the_events_that_name_them() -> None:
 def test_the_registry_names_the_dispatching_and_settling_events() -> None:
     """The relay's sets before the registry, plus ExecutionRefused (a refusal at the lease)."""
     kinds = EVENT_KINDS.values()
-    assert {kind.name for kind in kinds if kind.dispatches} == {"Readied", "RetryScheduled"}
+    assert {kind.name for kind in kinds if kind.dispatches is WorkPurpose.EXECUTE} == {
+        "Readied", "RetryScheduled",
+    }
+    # An unknown outcome is looked up, by a work item of its own: never left for good.
+    assert {kind.name for kind in kinds if kind.dispatches is WorkPurpose.RECONCILE} == {
+        "LeaseExpired", "OutcomeUnknown", "ReconciliationInconclusive",
+    }
+    assert {kind.name for kind in kinds if kind.notifies} == {"ResolutionNeeded"}
     assert {kind.name for kind in kinds if kind.settles} == {
         "Succeeded", "Failed", "Rejected", "ApprovalDenied", "ApprovalExpired", "Cancelled",
         "Reconciled", "ExecutionRefused",

@@ -127,6 +127,16 @@ BUILDERS: dict[OperationState, Callable[[], Operation]] = {
         lambda: _with(_executing, lambda op: op.expire_lease(LATER)),
         lambda op: op.start_reconciliation(by="ops", now=LATER),
     ),
+    S.NEEDS_RESOLUTION: lambda: _with(
+        lambda: _with(
+            lambda: _with(_executing, lambda op: op.expire_lease(LATER)),
+            lambda op: op.start_reconciliation(by="ops", now=LATER),
+        ),
+        lambda op: op.record_result(
+            fencing_token=op.fencing_token, executor="e", outcome="unknown",
+            code="RECONCILE_UNSUPPORTED", now=LATER,
+        ),
+    ),
     S.CANCELLED: lambda: _with(_ready, lambda op: op.request_cancel(by="a", reason="", now=T0)),
 }
 
@@ -225,6 +235,8 @@ EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.OUTCOME_UNKNOWN, "reconcile"): S.SUCCEEDED,
     (S.RECONCILING, "record_result"): S.SUCCEEDED,
     (S.RECONCILING, "reconcile"): S.SUCCEEDED,
+    (S.NEEDS_RESOLUTION, "record_result"): S.SUCCEEDED,  # a lookup found it after all
+    (S.NEEDS_RESOLUTION, "reconcile"): S.SUCCEEDED,  # a person said so
     (S.CANCELLED, "record_result"): S.CANCELLED,
     (S.CANCELLED, "request_cancel"): S.CANCELLED,
 }
@@ -237,6 +249,7 @@ for _state in (
     S.FAILED,
     S.OUTCOME_UNKNOWN,
     S.RECONCILING,
+    S.NEEDS_RESOLUTION,
 ):
     EXPECTED[(_state, "grant_approval")] = _state
 # The relay's note never changes the state, in any state.
@@ -249,7 +262,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 14 * 17
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 15 * 17
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])
@@ -265,6 +278,7 @@ def test_state_command_pair(state: OperationState, command: str) -> None:
             S.FAILED,
             S.OUTCOME_UNKNOWN,
             S.RECONCILING,
+            S.NEEDS_RESOLUTION,
         )
         and command == "grant_approval"
     ):
@@ -322,6 +336,14 @@ def _approved_variant(state: OperationState) -> Callable[[], Operation]:
             S.RECONCILING: lambda o: (
                 o.expire_lease(LATER),  # type: ignore[func-returns-value]
                 o.start_reconciliation(by="ops", now=LATER),  # type: ignore[func-returns-value]
+            ),
+            S.NEEDS_RESOLUTION: lambda o: (
+                o.expire_lease(LATER),  # type: ignore[func-returns-value]
+                o.start_reconciliation(by="ops", now=LATER),  # type: ignore[func-returns-value]
+                o.record_result(
+                    fencing_token=1, executor="e", outcome="unknown",
+                    code="RECONCILE_UNSUPPORTED", now=LATER,
+                ),
             ),
         }
         follow[state](op)

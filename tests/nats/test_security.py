@@ -32,11 +32,14 @@ def test_permissions_are_exactly_the_documented_ones() -> None:
     """Any widening must show up here, in review, not only in the matrix."""
     assert permissions_for(Role.LEDGER, "ledger") == Permissions(
         publish=("$JS.API.>", "ops.exec.>", "ops.feed.>", "ops.outcome.>", "$JS.ACK.>"),
-        subscribe=("ops.propose.*", "ops.status.*", "ops.lease.*", "_INBOX_ledger_ledger.>"),
+        subscribe=(
+            "ops.propose.*", "ops.status.*", "ops.cancel.*", "ops.lease.*",
+            "_INBOX_ledger_ledger.>",
+        ),
         allow_responses=ResponsePermission(max=1, expires="2m"),
     )
     assert permissions_for(Role.HOST, "h1") == Permissions(
-        publish=("ops.propose.h1", "ops.status.h1"),
+        publish=("ops.propose.h1", "ops.status.h1", "ops.cancel.h1"),
         subscribe=("ops.outcome.h1.>", "_INBOX_host_h1.>"),
     )
     # Acks: exactly 9 (v1) and exactly 11 (v2) tokens, every one but the five

@@ -57,6 +57,8 @@ class RelayPorts:
     """(operation ID, position, version, reason): record `Operation.PublicationSetAside`."""
     final_states: frozenset[str]
     """The states whose outcome is announced to the host."""
+    attention_states: frozenset[str] = frozenset({"needs_resolution"})
+    """The states, not final, announced to the host all the same: a person must act."""
 
 
 class Relay:
@@ -257,13 +259,17 @@ class Relay:
                 self._set_aside(row, f"{type(exc).__name__}: {exc}")
         return rows[-1][0], messages, len(rows) == self._batch
 
-    def _final_status(self, operation_id: str, version: int, host: str) -> OperationStatus | None:
+    def _final_status(
+        self, operation_id: str, version: int, host: str, final: bool = True
+    ) -> OperationStatus | None:
         try:
             status = self._ports.status(operation_id, version, host)
         except Exception as exc:
             _log.warning("no outcome notice for %s/%s: %s", host, operation_id, exc)
             return None
-        if not (status.final and status.state in self._ports.final_states):
+        if final and not (status.final and status.state in self._ports.final_states):
+            return None
+        if not final and (status.final or status.state not in self._ports.attention_states):
             return None
         return status
 

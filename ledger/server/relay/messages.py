@@ -1,9 +1,11 @@
 """What each stored event means on NATS: the pure half of the relay.
 
 A stored event becomes its feed record on `ops.feed.<tool>.<EventType>`;
-a dispatching event (`EventKind.dispatches`) also becomes a work item on its tool's queue;
-a settling event (`EventKind.settles`) also becomes an outcome notice to the host
-that proposed the operation. Nothing here does I/O: the outcome notice's
+a dispatching event (`EventKind.dispatches`) also becomes a work item on its tool's queue
+(to run an attempt, or to look an unknown outcome up); a settling event
+(`EventKind.settles`) also becomes an outcome notice to the host that proposed
+the operation, and a notifying one (`EventKind.notifies`: it needs a person) a
+notice that is not final. Nothing here does I/O: the outcome notice's
 status, the tool's sensitive arguments and the metrics come in as ports,
 so the builder is tested without NATS or a database.
 """
@@ -25,6 +27,7 @@ from schemas import (
     OperationStatus,
     Subjects,
     WorkItem,
+    WorkPurpose,
     feed_message_id,
     host_operation_id,
     work_message_id,
@@ -49,9 +52,10 @@ SensitiveArguments = Callable[[str], Sequence[str]]
 """tool → the JSON pointers of its arguments the feed carries hashed (none for an
 unknown tool)."""
 
-FinalStatus = Callable[[str, int, str], OperationStatus | None]
-"""(host's operation ID, the version just read, host) → the final status to announce,
-or None for none (not final, or unreadable: the host asks for it instead)."""
+FinalStatus = Callable[[str, int, str, bool], OperationStatus | None]
+"""(host's operation ID, the version just read, host, final) → the status to announce,
+or None for none (unreadable, or not what `final` expects: the host asks instead).
+`final`: announce only a final outcome; otherwise only a state that needs a person."""
 
 Observe = Callable[[dict[str, Any], str], None]
 """Counts one feed record of a tool (the metrics)."""
@@ -135,28 +139,53 @@ def messages_for(
     ]
     registered = event_kind(kind)
     if registered is not None and registered.dispatches and tool_version:
-        state: dict[str, Any] = record["event"]
-        attempt = int(state.get("after_attempt", 0)) + 1
-        item = WorkItem(
-            operation_id=operation_id, tool=tool, tool_version=tool_version, attempt=attempt
-        )
+        item = _work_item(record["event"], registered.dispatches, operation_id, tool, tool_version)
         messages.append(
             RelayMessage(
                 Subjects.work(tool),
                 item.model_dump_json().encode(),
-                # One dispatch event per attempt, so one work item per attempt.
-                work_message_id(operation_id, attempt),
+                # One dispatch event per attempt (and per lookup of its outcome),
+                # so one work item each.
+                work_message_id(operation_id, item.attempt, item.lookup),
             )
         )
-    if registered is not None and registered.settles and host:
-        notice = _outcome_notice(operation_id, version, host, limit, final_status)
+    if registered is not None and (registered.settles or registered.notifies) and host:
+        notice = _outcome_notice(
+            operation_id, version, host, limit, final_status, final=registered.settles
+        )
         if notice is not None:
             messages.append(notice)
     return messages
 
 
+def _work_item(
+    event: dict[str, Any], purpose: WorkPurpose, operation_id: str, tool: str, tool_version: str
+) -> WorkItem:
+    if purpose is WorkPurpose.EXECUTE:
+        attempt, lookup = int(event.get("after_attempt", 0)) + 1, 0
+    else:
+        # The first lookup after the outcome became unknown, or the next one after
+        # an inconclusive lookup. Events stored before they named their attempt
+        # say 0; the ID stays unique per lookup all the same.
+        attempt, lookup = max(int(event.get("attempt", 0)), 1), int(event.get("round", 0)) + 1
+    return WorkItem(
+        operation_id=operation_id,
+        tool=tool,
+        tool_version=tool_version,
+        attempt=attempt,
+        purpose=purpose,
+        lookup=lookup,
+    )
+
+
 def _outcome_notice(
-    operation_id: str, version: int, host: str, limit: int, final_status: FinalStatus
+    operation_id: str,
+    version: int,
+    host: str,
+    limit: int,
+    final_status: FinalStatus,
+    *,
+    final: bool = True,
 ) -> RelayMessage | None:
     """The announcement of a final outcome to its host, if there is one to make.
 
@@ -166,7 +195,7 @@ def _outcome_notice(
     """
     # The host knows its operation by its own ID: asked in its namespace.
     local = host_operation_id(operation_id)
-    status = final_status(local, version, host)
+    status = final_status(local, version, host, final)
     if status is None:
         return None
     payload = status.model_dump_json().encode()

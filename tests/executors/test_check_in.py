@@ -1,0 +1,94 @@
+"""While a tool runs, its executor checks in with the ledger every progress interval,
+and a cancel reaches the call: the tool's `cancel` hook stops it before any effect, or
+it is too late and the call runs on. Driven with a fake lease responder (the ledger's
+side is tested against the real server in tests/e2e/test_cancellation.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from executors import ItemAction, ProcessorOptions, Tool, ToolContext
+from executors._process import ItemProcessor
+from schemas import CANCELLED_BEFORE_EFFECT, LeaseDecision, LeaseReply, LeaseRequest
+from tests.executors.helpers import FakeLedger, contract, process, reply, work_item
+
+TOOL = "search_documents"
+ARGS = {"query": "refund window", "source_types": ["policy"], "top_k": 3}
+OUT: dict[str, Any] = {"items": [], "truncated": False, "next_cursor": None}
+INTERVAL_S = 0.02
+
+
+def _slow(stoppable: bool | None, ran: list[str]) -> Tool:
+    async def run(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        await asyncio.sleep(0.5)
+        ran.append("finished")
+        return OUT
+
+    slow = Tool(name=TOOL, run=run)
+    if stoppable is not None:
+
+        @slow.canceller
+        def _cancel(operation_id: str, context: ToolContext) -> bool:
+            ran.append(f"cancel hook for {operation_id}")
+            return stoppable
+
+    return slow
+
+
+def _ledger(cancel_after: int) -> FakeLedger:
+    """Leases the call, then answers check-ins `execute`, and `cancel` from check-in
+    number `cancel_after` on."""
+    check_ins: list[LeaseRequest] = []
+
+    def answer(request: LeaseRequest) -> LeaseReply:
+        if request.holding is None:
+            return reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS, fencing_token=4)
+        check_ins.append(request)
+        decision = LeaseDecision.CANCEL if len(check_ins) >= cancel_after else (
+            LeaseDecision.EXECUTE
+        )
+        return reply(decision, "op-1", TOOL, fencing_token=4)
+
+    return FakeLedger(answer)
+
+
+def _processor(implementation: Tool) -> ItemProcessor:
+    options = ProcessorOptions("exec-1", heartbeat_interval_s=INTERVAL_S)
+    return ItemProcessor(implementation, contract(TOOL), options)
+
+
+def test_a_cancel_at_a_check_in_stops_a_tool_that_can_stop() -> None:
+    ran: list[str] = []
+    ledger = _ledger(cancel_after=3)
+    disposition = process(_processor(_slow(True, ran)), work_item("op-1", TOOL), ledger)
+    assert disposition.action is ItemAction.PUBLISH and disposition.envelope is not None
+    error = disposition.envelope.error
+    assert error is not None and error.code == CANCELLED_BEFORE_EFFECT
+    assert disposition.envelope.fencing_token == 4
+    assert ran == ["cancel hook for op-1"]  # stopped: the call never finished
+    check_ins = [r for r in ledger.requests if r.holding is not None]
+    assert len(check_ins) == 3 and {r.holding for r in check_ins} == {4}
+
+
+def test_too_late_to_stop_or_no_hook_the_call_runs_to_its_outcome() -> None:
+    cases: list[tuple[bool | None, list[str]]] = [
+        (False, ["cancel hook for op-1", "finished"]),
+        (None, ["finished"]),
+    ]
+    for stoppable, expected in cases:
+        ran: list[str] = []
+        disposition = process(_processor(_slow(stoppable, ran)), work_item("op-1", TOOL),
+                              _ledger(cancel_after=1))
+        assert disposition.envelope is not None and disposition.envelope.ok
+        assert ran == expected
+
+
+def test_no_cancel_means_the_call_just_runs() -> None:
+    ran: list[str] = []
+    ledger = _ledger(cancel_after=10_000)
+    disposition = process(_processor(_slow(True, ran)), work_item("op-1", TOOL), ledger)
+    assert disposition.envelope is not None and disposition.envelope.ok
+    assert ran == ["finished"]
+    assert len([r for r in ledger.requests if r.holding is not None]) >= 5  # it checked in

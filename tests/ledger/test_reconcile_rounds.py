@@ -1,0 +1,154 @@
+"""Reconciliation is driven by the ledger: an unknown outcome is looked up in rounds,
+with backoff, and after the contract's bound (or at once, for an executor that cannot
+look anything up) it needs a person. On both backends.
+
+Before: an unknown outcome an executor reported was acked and stayed
+`outcome_unknown` for good; nothing queued a lookup, and nothing ever asked a person.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from ledger import Ledger, StorageConfig
+from ledger.domain.values import ReconcilePlan
+from ledger.service._contracts import reconcile_plan
+from policy import ReconcilePolicy
+from schemas import RECONCILE_UNSUPPORTED, LeaseDecision
+from tests.ledger.helpers import ALICE, event_types, make_ledger, result, search
+
+UNKNOWN = {"code": "EXECUTION_TIMEOUT", "category": "TRANSIENT",
+           "message": "the tool did not finish within 5000 ms"}
+INCONCLUSIVE = {"code": "RECONCILE_INCONCLUSIVE", "category": "TRANSIENT",
+                "message": "a send under this key is still in progress"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def ledger(storage: StorageConfig, clock: Clock) -> Ledger:
+    return make_ledger(storage, clock=clock)
+
+
+def _unknown(ledger: Ledger, operation_id: str) -> int:
+    """Propose, lease and report an unknown outcome; the fencing token."""
+    ledger.submit(search(operation_id), ALICE)
+    token = ledger.lease(operation_id, executor="exec-1").fencing_token
+    envelope = result(operation_id, token, ok=False, error=UNKNOWN)
+    ledger.record_result(envelope.model_copy(update={"outcome_unknown": True}))
+    return token or 0
+
+
+def _lookup(ledger: Ledger, operation_id: str, token: int, error: dict[str, str]) -> None:
+    envelope = result(operation_id, token, ok=False, error=error, executor="exec-2")
+    ledger.record_result(envelope.model_copy(update={"outcome_unknown": True}))
+
+
+def test_an_unknown_outcome_is_looked_up_in_rounds_then_needs_a_person(
+    ledger: Ledger, clock: Clock
+) -> None:
+    plan = reconcile_plan(ledger.contracts.get("search_documents"))
+    token = _unknown(ledger, "op-u")
+    operation = ledger.get("op-u")
+    assert operation.state.value == "outcome_unknown"
+    # Not looked up at once: the hung call may still land.
+    assert operation.not_before == clock.now + plan.initial_delay
+    busy = ledger.lease("op-u", executor="exec-2")
+    assert (busy.decision, busy.not_before) == (LeaseDecision.BUSY, operation.not_before)
+    for round_ in range(1, plan.max_rounds):
+        clock.now = ledger.get("op-u").not_before or clock.now
+        assert ledger.lease("op-u", executor="exec-2").decision is LeaseDecision.RECONCILE
+        _lookup(ledger, "op-u", token, INCONCLUSIVE)
+        operation = ledger.get("op-u")
+        assert (operation.state.value, operation.reconcile_rounds) == ("outcome_unknown", round_)
+        # Each round waits longer than the last.
+        assert operation.not_before == clock.now + plan.delay(round_)
+        assert ledger.lease("op-u", executor="exec-2").decision is LeaseDecision.BUSY
+    clock.now = ledger.get("op-u").not_before or clock.now
+    assert ledger.lease("op-u", executor="exec-2").decision is LeaseDecision.RECONCILE
+    _lookup(ledger, "op-u", token, INCONCLUSIVE)
+    operation = ledger.get("op-u")
+    assert operation.state.value == "needs_resolution"
+    needed = ledger.history("op-u")[-1]
+    assert type(needed).__name__ == "ResolutionNeeded"
+    assert (needed.rounds, needed.by, needed.code) == (
+        plan.max_rounds, "exec-2", "RECONCILE_INCONCLUSIVE"
+    )
+    status = ledger.status("op-u")
+    assert (status.state, status.final) == ("needs_resolution", False)
+    # Nothing runs it, looks it up or spins on it any more: its items are acked.
+    assert ledger.lease("op-u", executor="exec-3").decision is LeaseDecision.DONE
+    assert event_types(ledger, "op-u").count("LeaseClaimed") == 1  # never run again
+    ledger.resolve("op-u", by="ops-lead", applied=True, reason="the provider shows it")
+    assert ledger.status("op-u").final
+
+
+def test_an_executor_that_cannot_look_it_up_asks_for_a_person_at_once(
+    ledger: Ledger, clock: Clock
+) -> None:
+    token = _unknown(ledger, "op-n")
+    clock.now += timedelta(minutes=1)
+    assert ledger.lease("op-n", executor="exec-2").decision is LeaseDecision.RECONCILE
+    _lookup(ledger, "op-n", token, {"code": RECONCILE_UNSUPPORTED, "category": "INTERNAL",
+                                    "message": "this executor cannot look earlier attempts up"})
+    assert ledger.get("op-n").state.value == "needs_resolution"
+    assert ledger.history("op-n")[-1].rounds == 1
+
+
+def test_a_lookup_that_finds_it_after_all_settles_even_a_person_s_case(
+    ledger: Ledger, clock: Clock
+) -> None:
+    token = _unknown(ledger, "op-l")
+    clock.now += timedelta(minutes=1)
+    ledger.lease("op-l", executor="exec-2")
+    _lookup(ledger, "op-l", token, {"code": RECONCILE_UNSUPPORTED, "category": "INTERNAL",
+                                    "message": "no"})
+    assert ledger.get("op-l").state.value == "needs_resolution"
+    # Another inconclusive word changes nothing (the person decides) ...
+    _lookup(ledger, "op-l", token, INCONCLUSIVE)
+    assert ledger.history("op-l")[-1].__class__.__name__ == "ResolutionNeeded"
+    # ... but a lookup that found it settles it.
+    found = result("op-l", token, executor="exec-3", data={"items": [], "truncated": False,
+                                                          "next_cursor": None})
+    ledger.record_result(found)
+    status = ledger.status("op-l")
+    assert (status.state, status.final) == ("succeeded", True)
+
+
+def test_the_plan_follows_the_contract() -> None:
+    policy = ReconcilePolicy(max_rounds=3, initial_delay_ms=500, backoff_multiplier=3.0,
+                             max_delay_ms=2_000)
+    plan = ReconcilePlan(max_rounds=3, initial_delay=timedelta(milliseconds=500),
+                         multiplier=3.0, max_delay=timedelta(seconds=2))
+    assert [plan.delay(n) for n in range(4)] == [
+        timedelta(milliseconds=ms) for ms in (500, 1_500, 2_000, 2_000)
+    ]
+    assert [policy.delay_ms(n) for n in range(4)] == [500, 1_500, 2_000, 2_000]
+    assert reconcile_plan(None) == ReconcilePlan()
+
+
+def test_the_service_counts_lookups_and_the_operations_that_need_a_person() -> None:
+    from ledger.server.metrics import LedgerMetrics
+
+    metrics = LedgerMetrics()
+    at = datetime.now(UTC).isoformat()
+    for kind in ("OutcomeUnknown", "ReconciliationInconclusive", "ResolutionNeeded"):
+        metrics.observe({"type": kind, "operation_id": "h1/op", "event": {"timestamp": at}},
+                        "send_customer_email")
+    sample = metrics.registry.get_sample_value
+    labels = {"tool": "send_customer_email"}
+    assert sample("tool_reconciliation_lookups_total", labels) == 2
+    assert sample("tool_operations_needing_resolution_total", labels) == 1
