@@ -107,6 +107,9 @@ class ItemDisposition:
     """A fixed word (a metric label value): done, busy, executed, reconciled, ..."""
     envelope: ResultEnvelope | None = None
     delay_s: float | None = None
+    keep_until: datetime | None = None
+    """For PUBLISH: keep trying to publish the envelope until then (the lease's expiry),
+    however long the results stream is unavailable; None: the runner's usual tries."""
 
 
 
@@ -180,6 +183,8 @@ class _Attempt:
     fencing_token: int
     started: float
     """`time.monotonic()` when the lease was granted."""
+    lease_expires_at: datetime | None = None
+    """When the ledger's lease runs out (None for a lookup: it holds no lease)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +342,13 @@ class ItemProcessor:
             # the ledger moves on. Say so loudly: this is a ledger bug.
             self._log.error("lease for %s has no fencing token or attempt", item.operation_id)
             return ItemDisposition(ItemAction.NAK, "lease_invalid", delay_s=self._retry_delay)
-        attempt = _Attempt(item.operation_id, reply.attempt, reply.fencing_token, time.monotonic())
+        attempt = _Attempt(
+            item.operation_id,
+            reply.attempt,
+            reply.fencing_token,
+            time.monotonic(),
+            reply.lease_expires_at,
+        )
         mismatch = self._lease_mismatch(reply)
         if mismatch:
             # We hold the lease and did nothing: "failed" is the truth.
@@ -750,7 +761,7 @@ class ItemProcessor:
             )
         if redacted.pointers:
             self.metrics.redactions.labels(tool=self.contract.name).inc(len(redacted.pointers))
-        return self._published(envelope, reason)
+        return self._published(envelope, reason, attempt)
 
     async def _trusted_output(
         self,
@@ -843,7 +854,7 @@ class ItemProcessor:
         envelope = self._envelope(
             attempt, ok=False, error=safe, unknown=unknown, redactions=tuple(redactions)
         )
-        return self._published(envelope, reason)
+        return self._published(envelope, reason, attempt)
 
     def _envelope(
         self,
@@ -874,12 +885,18 @@ class ItemProcessor:
             redactions=redactions,
         )
 
-    def _published(self, envelope: ResultEnvelope, reason: str) -> ItemDisposition:
+    def _published(
+        self, envelope: ResultEnvelope, reason: str, attempt: _Attempt
+    ) -> ItemDisposition:
         outcome = envelope.outcome.value
         self.metrics.executions.labels(tool=self.contract.name, outcome=outcome).inc()
         if envelope.outcome_unknown:
             self.metrics.unknown.labels(tool=self.contract.name).inc()
-        return ItemDisposition(ItemAction.PUBLISH, reason, envelope=envelope)
+        # A result once computed is kept trying while the lease holds: dropping it
+        # would turn a call that ran fine into an unknown outcome.
+        return ItemDisposition(
+            ItemAction.PUBLISH, reason, envelope=envelope, keep_until=attempt.lease_expires_at
+        )
 
 
 def _issue_summary(issues: list[Any]) -> list[dict[str, str]]:

@@ -20,6 +20,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,7 @@ class ExecutorRunner:
         self._publish_timeout = options.publish_timeout_s
         self._publish_attempts = max(options.publish_attempts, 1)
         self._retry_delay = processing.retry_delay_s
+        self._clock = processing.clock
         self._connect = options.connect
         self._pull = options.pull
         self._consumer: PullConsumer | None = None
@@ -298,7 +300,7 @@ class ExecutorRunner:
             await self._settle(msg.term(), "term")
         else:
             assert disposition.envelope is not None
-            if await self._publish(disposition.envelope, msg):
+            if await self._publish(disposition.envelope, msg, disposition.keep_until):
                 await self._settle(msg.ack(), "ack")
             else:
                 # No PubAck: the result may or may not be stored. Redelivery asks
@@ -329,10 +331,23 @@ class ExecutorRunner:
                 raise
             raise LeaseError(error) from None
 
-    async def _publish(self, envelope: ResultEnvelope, msg: Any) -> bool:
+    async def _publish(
+        self, envelope: ResultEnvelope, msg: Any, keep_until: datetime | None = None
+    ) -> bool:
+        """Publish one result; True once JetStream stored it.
+
+        At least `publish_attempts` tries, and beyond them until `keep_until`
+        (the lease's expiry): a results stream electing a new leader refuses
+        publishes for seconds, and giving up early would drop a result the
+        tool already produced, leaving lease expiry and reconciliation to
+        rediscover it (a read would spend an attempt). Between tries the work
+        item is marked in progress, so it is not redelivered meanwhile.
+        """
         payload = envelope.model_dump_json().encode()
         msg_id = result_msg_id(envelope, secrets.token_hex(8))
-        for attempt in range(1, self._publish_attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 ack = await self._js.publish(
                     Subjects.result(self.contract.name),
@@ -350,12 +365,20 @@ class ExecutorRunner:
                     attempt,
                     type(exc).__name__,
                 )
-                if attempt < self._publish_attempts:
-                    await self._settle(msg.in_progress(), "in-progress")
-                    await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 2.0))
+                pause = min(0.5 * 2 ** (attempt - 1), 2.0)
+                more = attempt < self._publish_attempts or (
+                    keep_until is not None
+                    and self._clock() + timedelta(seconds=pause) < keep_until
+                )
+                if not more:
+                    break
+                await self._settle(msg.in_progress(), "in-progress")
+                await asyncio.sleep(pause)
                 continue
             if getattr(ack, "duplicate", False):
                 self._log.info("result %s was already stored", msg_id)
+            if attempt > 1:
+                self._log.info("result %s stored on try %d", msg_id, attempt)
             return True
         self.metrics.retries.labels(reason="publish_failed").inc()
         return False

@@ -4,6 +4,8 @@ three-node NATS cluster with replicated streams that survives losing a node."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -12,12 +14,12 @@ from pathlib import Path
 import nats
 import pytest
 
-from ledger import build_ledger
+from ledger import StorageConfig, build_ledger
 from ledger.client import AgentHostClient
 from ledger.nats import ClusterOptions, NatsServer, connect_as, generate_credentials
 from ledger.nats.supervisor import free_port
 from policy.catalog import CATALOG_DIR, sample_plugins
-from schemas import WORK_STREAM, RuntimeContext, ToolProposal
+from schemas import RESULTS_STREAM, WORK_STREAM, RuntimeContext, ToolProposal
 from tests.conftest import drop_schema, postgres_storage_or_skip
 from tests.e2e.conftest import SAMPLE_TOOLS, _stop
 
@@ -27,10 +29,10 @@ TOOL = "search_documents"
 
 
 def _service(home: Path, name: str, *, database: str, schema: str, url: str, seed: Path,
-             replicas: int = 1) -> subprocess.Popen[bytes]:
+             replicas: int = 1, lease_grace: float = 2) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "ledger.server", "--database", database,
             "--nats-url", url, "--creds", str(seed), "--tools", TOOL,
-            "--ack-wait", "5", "--lease-grace", "2", "--replicas", str(replicas)]
+            "--ack-wait", "5", "--lease-grace", str(lease_grace), "--replicas", str(replicas)]
     if schema:
         argv += ["--postgres-schema", schema]
     log = (home / f"{name}.log").open("wb")
@@ -58,7 +60,14 @@ def _proposal(n: int) -> tuple[ToolProposal, RuntimeContext]:
     )
 
 
-async def _run_operations(url: str, host_seed_identity: object, count: int) -> list[str]:
+async def _run_operations(
+    url: str | list[str],
+    host_seed_identity: object,
+    count: int,
+    *,
+    first: int = 0,
+    done: list[str] | None = None,
+) -> list[str]:
     nc = await connect_as(url, host_seed_identity)  # type: ignore[arg-type]
     host = AgentHostClient(nc, "h1", timeout=10)
     try:
@@ -68,9 +77,12 @@ async def _run_operations(url: str, host_seed_identity: object, count: int) -> l
             async with limit:
                 proposal, context = _proposal(n)
                 await host.propose(proposal, context, attempts=5)
-                return (await host.outcome(proposal.operation_id or "", timeout=120)).state
+                state = (await host.outcome(proposal.operation_id or "", timeout=120)).state
+                if done is not None:
+                    done.append(state)
+                return state
 
-        return await asyncio.gather(*(one(n) for n in range(count)))
+        return await asyncio.gather(*(one(n) for n in range(first, first + count)))
     finally:
         await host.close()
 
@@ -180,3 +192,87 @@ async def test_three_node_cluster_keeps_working_with_a_node_down(tmp_path: Path)
             _stop(process)
         for node in nodes:
             node.stop()
+
+
+async def test_no_result_is_dropped_while_the_results_stream_elects_a_new_leader(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL the node that leads OPS_RESULTS while results are being published.
+
+    For a few seconds the stream has no leader and refuses publishes. Before, the
+    executor gave up after 3 tries (about 1.5 s), put the item back and dropped a result
+    it had: calls that ran fine went through lease expiry and reconciliation, and a
+    search spent another attempt. Now it keeps publishing while its lease holds.
+    """
+    COUNT = 400  # noqa: N806 - a constant of this test
+    credentials = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[TOOL])
+    cluster_ports = [free_port() for _ in range(3)]
+    routes = tuple(f"nats-route://127.0.0.1:{port}" for port in cluster_ports)
+    nodes = [
+        NatsServer(tmp_path / f"n{i}", server_name=f"n{i}",
+                   authorization=credentials.authorization_config,
+                   cluster=ClusterOptions(name="opledger", port=port, routes=routes))
+        for i, port in enumerate(cluster_ports)
+    ]
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_healthy(timeout_s=20)
+        urls = ",".join(node.url for node in nodes)
+        # A lease long enough to outlast a leader election (the tool's 2 s plus 30 s).
+        processes.append(_service(tmp_path, "ledger", database=str(tmp_path / "ledger.db"),
+                                  schema="", url=urls, seed=credentials.ledger.seed_path,
+                                  replicas=3, lease_grace=30))
+        await _wait_ready(nodes[0].url, credentials.host("h1"))
+        processes.append(_executor(tmp_path, "exec", url=urls,
+                                   seed=credentials.executor(TOOL).seed_path))
+        servers = urls.split(",")
+        assert await _run_operations(servers, credentials.host("h1"), 5) == ["succeeded"] * 5
+        ledger_nc = await connect_as(servers, credentials.ledger)
+        try:
+            info = await ledger_nc.jetstream(timeout=10).stream_info(RESULTS_STREAM)
+        finally:
+            await ledger_nc.close()
+        assert info.cluster is not None and info.cluster.leader is not None
+        leader = next(node for node in nodes if node.server_name == info.cluster.leader)
+
+        finished: list[str] = []
+
+        async def kill_the_leader_under_load() -> None:
+            while len(finished) < COUNT // 5:  # results are flowing by now
+                await asyncio.sleep(0.01)
+            os.kill(leader.pid or 0, signal.SIGKILL)
+
+        killer = asyncio.create_task(kill_the_leader_under_load())
+        states = await asyncio.wait_for(
+            _run_operations(servers, credentials.host("h1"), COUNT, first=100, done=finished),
+            timeout=180,
+        )
+        assert killer.done() and len(finished) == COUNT
+        await killer
+    finally:
+        for process in reversed(processes):
+            _stop(process)
+        for node in nodes:
+            node.stop()
+    executor_log = (tmp_path / "exec.log").read_text(errors="replace")
+    assert states == ["succeeded"] * COUNT, (tmp_path / "ledger.log").read_text()[-3000:]
+    # The election did refuse publishes (else this test proved nothing) ...
+    assert "publishing result" in executor_log and "failed (try" in executor_log, (
+        executor_log[-3000:]
+    )
+    # ... and every result that was computed was recorded from its first attempt.
+    ledger = build_ledger(StorageConfig.sqlite(tmp_path / "ledger.db"),
+                          resolver=sample_plugins()[0], rules=sample_plugins()[1])
+    try:
+        kinds = Counter(
+            type(event).__name__
+            for n in range(100, 100 + COUNT)
+            for event in ledger.history(f"h1/op-{n:04d}")
+        )
+    finally:
+        ledger.close()
+    assert kinds["LeaseClaimed"] == COUNT, kinds
+    assert kinds["LeaseExpired"] == kinds["Reconciled"] == kinds["RetryScheduled"] == 0, kinds

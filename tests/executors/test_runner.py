@@ -9,11 +9,13 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import fields
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
+import executors._runner
 from executors import (
     ExecutorConfigError,
     ExecutorRunner,
@@ -359,3 +361,34 @@ def test_items_delivered_but_not_taken_at_stop_go_back_at_once() -> None:
 def test_a_batch_size_below_one_is_refused() -> None:
     with pytest.raises(ExecutorConfigError, match="batch_size"):
         _runner(FakeNats({}), batch_size=0)
+
+
+def test_a_result_is_kept_trying_while_the_lease_holds_then_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A results stream electing a leader refuses publishes for seconds: the executor
+    keeps trying (marking the item in progress) until the lease would run out, instead
+    of dropping a result after `publish_attempts` tries."""
+    now = [datetime.now(UTC)]
+    real_sleep = asyncio.sleep
+
+    async def elapse(seconds: float, *args: Any) -> Any:
+        now[0] += timedelta(seconds=seconds)
+        return await real_sleep(0, *args)
+
+    # Only the runner's own pauses elapse on the fake clock (not the processor's).
+    fast = SimpleNamespace(**{name: getattr(asyncio, name) for name in dir(asyncio)
+                              if not name.startswith("__")})
+    fast.sleep = elapse
+    monkeypatch.setattr(executors._runner, "asyncio", fast)
+    for failing, published, acked in ((6, 7, True), (100, 7, False)):
+        leased = _execute("op-1").model_copy(
+            update={"lease_expires_at": now[0] + timedelta(seconds=10)}
+        )
+        fake = FakeNats({"op-1": leased}, failing_publishes=failing)
+        fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+        asyncio.run(_runner(fake, publish_attempts=2, clock=lambda: now[0]).run())
+        # Pauses of 0.5, 1, 2, 2, ... s: the 7th try is the last before the 10 s lease ends.
+        assert len(fake.published) == published, fake.events
+        assert (("ack", "m1") in fake.events) is acked
+        assert fake.events.count(("in_progress", "m1")) >= published - 1
