@@ -184,6 +184,14 @@ class ToolContext:
     tool: str = ""
     tool_version: str = ""
     executor: str = ""
+    principal: str = ""
+    """Who the call runs for, from the ledger's record (the lease), never the arguments."""
+    tenant: str = ""
+    """The tenant the call runs for (from the lease): scope every read and write by it.
+    Empty only under a ledger older than this executor, which sends none."""
+    capabilities: frozenset[str] = frozenset()
+    """The caller's capabilities as the ledger recorded them (from the lease)."""
+    environment: str = ""
 
     @property
     def idempotency_key(self) -> str:

@@ -397,7 +397,8 @@ class ItemProcessor:
             return "execute lease without arguments"
         return ""
 
-    def _context(self, attempt: _Attempt, timeout_s: float) -> ToolContext:
+    def _context(self, attempt: _Attempt, timeout_s: float, reply: LeaseReply) -> ToolContext:
+        trusted = reply.context
         return ToolContext(
             operation_id=attempt.operation_id,
             attempt=attempt.attempt,
@@ -411,6 +412,12 @@ class ItemProcessor:
             tool=self.contract.name,
             tool_version=self.contract.version,
             executor=self.executor,
+            # From the ledger's lease reply only: nothing in the work item or the
+            # arguments can name another tenant.
+            principal=trusted.principal if trusted else "",
+            tenant=trusted.tenant if trusted else "",
+            capabilities=trusted.capabilities if trusted else frozenset(),
+            environment=trusted.environment if trusted else "",
         )
 
     # ---------------------------------------------------------------- execute
@@ -420,7 +427,7 @@ class ItemProcessor:
     ) -> ItemDisposition:
         timeout_s = (reply.timeout_ms or self.contract.timeout_ms) / 1000
         deadline = attempt.started + timeout_s
-        context = self._context(attempt, timeout_s)
+        context = self._context(attempt, timeout_s, reply)
         arguments: dict[str, Any] = dict(reply.arguments or {})
         try:
             disposition = await self._execute_checked(
@@ -656,7 +663,7 @@ class ItemProcessor:
                 reason="reconciled",
             )
         timeout_s = (reply.timeout_ms or self.contract.timeout_ms) / 1000
-        context = self._context(attempt, timeout_s)
+        context = self._context(attempt, timeout_s, reply)
         started = time.monotonic()
         try:
             found = await asyncio.wait_for(

@@ -126,6 +126,12 @@ class LeaseReply(WireModel):
         description="With busy: a scheduled retry may not run before this time; ask again then.",
     )
     reason: str = ""
+    context: RuntimeContext | None = Field(
+        default=None,
+        description="With execute and reconcile: who the call runs for, from the ledger's"
+        " record of the proposal (never from the work item or the tool's arguments), so"
+        " that the tool scopes its work by it (the tenant, above all).",
+    )
 
 
 class CancelRequest(WireModel):

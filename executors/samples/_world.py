@@ -102,6 +102,8 @@ class Document:
     effective_date: date
     snapshot: Snapshot
     snapshot_ids: tuple[str, ...]
+    tenant: str = "acme"
+    """Whose document it is: only calls run for this tenant may see it."""
 
     @property
     def revision(self) -> str:
@@ -141,6 +143,11 @@ _FAQ_V3 = (
 )
 
 
+_GLOBEX_REFUNDS = (
+    ("refund-window", "Globex refunds: the refund policy allows 60 days after delivery."),
+)
+
+
 def _documents() -> dict[str, Document]:
     snapshots = _snapshots()
     return {
@@ -176,6 +183,16 @@ def _documents() -> dict[str, Document]:
             snapshots["snap-d-3"],
             ("snap-d-3",),
         ),
+        # Another tenant's: the same words, so a search that ignored the tenant finds it.
+        "globex-refunds": Document(
+            "globex-refunds",
+            "Globex refund policy",
+            "policy",
+            date(2026, 1, 1),
+            snapshots["snap-g-1"],
+            ("snap-g-1",),
+            tenant="globex",
+        ),
     }
 
 
@@ -189,6 +206,7 @@ def _snapshots() -> dict[str, Snapshot]:
             Snapshot("snap-b-8", "document-b", "8", 8, _SHIPPING_V8, 12_500),
             Snapshot("snap-c-1", "document-c", "1", 1, _INCIDENT_V1, 3_000),
             Snapshot("snap-d-3", "document-d", "3", 3, _FAQ_V3, 2_000),
+            Snapshot("snap-g-1", "globex-refunds", "1", 1, _GLOBEX_REFUNDS, 1_000),
         )
     }
 

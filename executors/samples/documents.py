@@ -15,7 +15,7 @@ from datetime import date
 from typing import Any
 
 from executors._api import Precondition, Reconciliation, ToolContext, ToolError, tool
-from executors.samples._world import Snapshot, world
+from executors.samples._world import Document, Snapshot, world
 from schemas import ErrorCategory
 
 __all__ = [
@@ -38,8 +38,14 @@ def _words(text: str) -> set[str]:
 
 
 @tool("search_documents", version="2.1.0")
-def search_documents(arguments: Mapping[str, Any], _context: ToolContext) -> dict[str, Any]:
-    """Rank sections by the share of query words they contain."""
+def search_documents(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+    """Rank the caller's tenant's sections by the share of query words they contain."""
+    if not context.tenant:
+        # No trusted tenant (a ledger older than this executor): searching every
+        # tenant's documents instead would leak them.
+        raise ToolError(
+            ErrorCategory.UNAUTHORIZED, "NO_TRUSTED_TENANT", "the lease names no tenant"
+        )
     query = _words(str(arguments["query"]))
     if not query:
         raise ToolError(
@@ -53,6 +59,8 @@ def search_documents(arguments: Mapping[str, Any], _context: ToolContext) -> dic
     with world().lock:
         documents = list(world().documents.values())
     for document in documents:
+        if document.tenant != context.tenant:
+            continue  # another tenant's: never searched, never scored
         if document.source_type not in source_types:
             continue
         if date_from is not None and document.effective_date < date_from:
@@ -84,10 +92,17 @@ def search_documents(arguments: Mapping[str, Any], _context: ToolContext) -> dic
 # ----------------------------------------------------------- read_document_span
 
 
-def _read_target(arguments: Mapping[str, Any]) -> tuple[str, Snapshot]:
+def _visible(document: Document | None, context: ToolContext) -> Document | None:
+    """The document, if the caller's tenant (from the lease) may see it."""
+    if document is None or not context.tenant or document.tenant != context.tenant:
+        return None
+    return document
+
+
+def _read_target(arguments: Mapping[str, Any], context: ToolContext) -> tuple[str, Snapshot]:
     """The current revision and the snapshot to read; NOT_FOUND when invisible."""
     with world().lock:
-        document = world().documents.get(str(arguments["document_id"]))
+        document = _visible(world().documents.get(str(arguments["document_id"])), context)
         if document is None:
             raise ToolError(
                 ErrorCategory.NOT_FOUND, "DOCUMENT_NOT_FOUND", "no such document is visible"
@@ -106,9 +121,9 @@ def _read_target(arguments: Mapping[str, Any]) -> tuple[str, Snapshot]:
 
 
 @tool("read_document_span", version="1.2.0")
-def read_document_span(arguments: Mapping[str, Any], _context: ToolContext) -> dict[str, Any]:
+def read_document_span(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
     """The text of `[start_char, end_char)` of the document or one of its snapshots."""
-    _, snapshot = _read_target(arguments)
+    _, snapshot = _read_target(arguments, context)
     start, end = int(arguments["start_char"]), int(arguments["end_char"])
     if end <= start or end > snapshot.length:
         raise ToolError(
@@ -131,10 +146,10 @@ def read_document_span(arguments: Mapping[str, Any], _context: ToolContext) -> d
 
 
 @read_document_span.precondition
-def _read_current(arguments: Mapping[str, Any], _context: ToolContext) -> Precondition:
+def _read_current(arguments: Mapping[str, Any], context: ToolContext) -> Precondition:
     # expected_revision names the revision the caller saw: if the document
     # moved on since, the span it wants to quote may no longer exist.
-    revision, _ = _read_target(arguments)
+    revision, _ = _read_target(arguments, context)
     expected = arguments.get("expected_revision")
     if expected is not None and expected != revision:
         return Precondition.stale(
@@ -159,14 +174,15 @@ def _location(snapshot: Snapshot, section_id: str) -> str | None:
 
 @tool("compare_document_snapshots", version="1.0.0")
 def compare_document_snapshots(
-    arguments: Mapping[str, Any], _context: ToolContext
+    arguments: Mapping[str, Any], context: ToolContext
 ) -> dict[str, Any]:
     """Every section whose text differs between the two snapshots, before → after."""
     source_id = str(arguments["source_id"])
     with world().lock:
         before = world().snapshots.get(str(arguments["before_snapshot_id"]))
         after = world().snapshots.get(str(arguments["after_snapshot_id"]))
-    if before is None or after is None:
+        source = _visible(world().documents.get(source_id), context)
+    if before is None or after is None or source is None:
         raise ToolError(
             ErrorCategory.NOT_FOUND, "SNAPSHOT_NOT_FOUND", "no such snapshot is visible"
         )
@@ -235,7 +251,7 @@ def _delete_current(arguments: Mapping[str, Any], context: ToolContext) -> Preco
         done = world().deletions.get(context.idempotency_key)
         if done is not None:
             return Precondition.already_applied(done, "this operation already deleted it")
-        document = world().documents.get(str(arguments["document_id"]))
+        document = _visible(world().documents.get(str(arguments["document_id"])), context)
     if document is None:
         raise ToolError(
             ErrorCategory.NOT_FOUND, "DOCUMENT_NOT_FOUND", "no such document is visible"

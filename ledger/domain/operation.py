@@ -10,6 +10,7 @@ rebuilds the same operation. Every event carries the hash of the previous one
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -131,6 +132,9 @@ class Operation(BaseAggregate[str]):
         host: str = ""
         omitted: dict[str, Any] | None = None
         """What of the proposal's arguments was not kept, and why (`ledger.retention`)."""
+        capabilities: list[str] | None = None
+        """The caller's capabilities from its trusted runtime context, sorted (None in
+        events stored before they were recorded)."""
 
         def apply(self, aggregate: Any) -> None:
             aggregate.head_hash = GENESIS_HASH
@@ -146,6 +150,9 @@ class Operation(BaseAggregate[str]):
             aggregate.environment = self.environment
             aggregate.tool = self.tool
             aggregate.host = self.host
+            aggregate.capabilities = (
+                None if self.capabilities is None else tuple(self.capabilities)
+            )
             aggregate.tool_version = None
             aggregate.input_schema_hash = None
             aggregate.output_schema_hash = None
@@ -564,6 +571,8 @@ class Operation(BaseAggregate[str]):
         environment: str
         tool: str
         host: str
+        capabilities: tuple[str, ...] | None
+        """The caller's capabilities as proposed (None: not recorded, an old operation)."""
         tool_version: str | None
         input_schema_hash: str | None
         output_schema_hash: str | None
@@ -606,8 +615,10 @@ class Operation(BaseAggregate[str]):
         now: datetime,
         host: str = "",
         omitted: dict[str, Any] | None = None,
+        capabilities: Iterable[str] | None = None,
     ) -> Operation:
-        """Record a new proposal under `operation_id` (`omitted`: what of it was not kept)."""
+        """Record a new proposal under `operation_id` (`omitted`: what of it was not kept;
+        `capabilities`: the caller's, from its trusted runtime context)."""
         return cls._create(
             cls.Proposed,
             id=operation_id,
@@ -621,6 +632,7 @@ class Operation(BaseAggregate[str]):
             tool=tool,
             host=host,
             omitted=omitted,
+            capabilities=None if capabilities is None else sorted(capabilities),
         )
 
     def _guard(self, command: str) -> None:

@@ -12,7 +12,8 @@ from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 from ledger.service._contracts import PinnedContracts
 from ledger.service._runner import CommandRunner
-from schemas import LeaseDecision, LeaseReply
+from policy import ToolContract
+from schemas import LeaseDecision, LeaseReply, RuntimeContext
 
 __all__ = ["LeaseRequest", "Leasing"]
 
@@ -127,6 +128,18 @@ class Leasing:
                     now=now,
                 )
                 return _done(operation)
+            missing = _missing_capabilities(operation, contract)
+            if missing:
+                # The caller's recorded capabilities no longer cover what the
+                # contract in force requires (a catalog reloaded under the same
+                # version with a wider requirement): not run.
+                operation.refuse_execution(
+                    code="permission_changed",
+                    reason=f"{operation.tool} {contract.version} now requires"
+                    f" {', '.join(missing)}, which the caller did not hold",
+                    now=now,
+                )
+                return _done(operation)
             if operation.not_before is not None and now < operation.not_before:
                 # A scheduled retry's backoff: the executor waits (a delayed nak)
                 # until then, rather than asking again and again.
@@ -159,6 +172,22 @@ class Leasing:
         return _done(operation)
 
 
+def _missing_capabilities(operation: Operation, contract: ToolContract) -> list[str]:
+    if operation.capabilities is None:
+        return []  # proposed before capabilities were recorded: checked at the proposal only
+    return sorted(contract.required_capabilities - set(operation.capabilities))
+
+
+def _context(operation: Operation) -> RuntimeContext:
+    """The trusted runtime context the call runs for, from the ledger's own record."""
+    return RuntimeContext(
+        principal=operation.actor,
+        tenant=operation.tenant,
+        capabilities=frozenset(operation.capabilities or ()),
+        environment=operation.environment,
+    )
+
+
 def _busy_until(operation: Operation, not_before: datetime, what: str) -> LeaseReply:
     return LeaseReply(
         decision=LeaseDecision.BUSY,
@@ -189,4 +218,5 @@ def _lease_reply(
         lease_expires_at=lease.expires_at if lease is not None else None,
         timeout_ms=timeout_ms,
         proposal_hash=operation.proposal_hash,
+        context=_context(operation),
     )

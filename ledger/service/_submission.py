@@ -252,6 +252,7 @@ class Submissions:
             now=now,
             host=host,
             omitted=omitted,
+            capabilities=context.capabilities,
         )
         if rejected:
             operation.reject(

@@ -11,7 +11,13 @@ from typing import Any
 from executors import ItemDisposition, ItemProcessor, ToolContext
 from policy import ContractRegistry, ToolCatalog, ToolContract
 from policy.catalog import CATALOG_DIR
-from schemas import LeaseDecision, LeaseReply, LeaseRequest, WorkItem
+from schemas import LeaseDecision, LeaseReply, LeaseRequest, RuntimeContext, WorkItem
+
+TRUSTED = RuntimeContext(
+    principal="alice", tenant="acme",
+    capabilities=frozenset({"documents:search", "documents:read", "email:send"}),
+)
+"""Who the fake ledger's leases run for (the sample world's tenant)."""
 
 
 @functools.cache
@@ -53,8 +59,10 @@ def reply(
     lease_expires_at: datetime | None = None,
     version: str | None = None,
     not_before: datetime | None = None,
+    context: RuntimeContext | None = None,
 ) -> LeaseReply:
-    """A lease reply of the ledger."""
+    """A lease reply of the ledger (for `execute` and `reconcile`, run for `TRUSTED`
+    unless `context` says otherwise)."""
     return LeaseReply(
         decision=decision,
         operation_id=operation_id,
@@ -66,6 +74,9 @@ def reply(
         timeout_ms=timeout_ms,
         lease_expires_at=lease_expires_at,
         not_before=not_before,
+        context=context or (
+            TRUSTED if decision in (LeaseDecision.EXECUTE, LeaseDecision.RECONCILE) else None
+        ),
     )
 
 
@@ -122,4 +133,7 @@ def context(
         deadline=datetime.now(UTC) + timedelta(seconds=5),
         fencing_token=attempt,
         secrets=dict(secrets or {}),
+        principal=TRUSTED.principal,
+        tenant=TRUSTED.tenant,
+        capabilities=TRUSTED.capabilities,
     )
