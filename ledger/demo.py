@@ -62,7 +62,13 @@ class Demo:
         print(text, flush=True)
 
     async def _propose(
-        self, name: str, tool: str, arguments: object, context: RuntimeContext = ALICE
+        self,
+        name: str,
+        tool: str,
+        arguments: object,
+        context: RuntimeContext = ALICE,
+        *,
+        repairs: str | None = None,
     ) -> ProposeReply:
         assert self.host is not None
         proposal = ToolProposal(
@@ -72,6 +78,7 @@ class Demo:
             tool_name=tool,
             arguments=arguments,
             operation_id=self._op(name),
+            repairs=self._op(repairs) if repairs else None,
         )
         return await self.host.propose(proposal, context)
 
@@ -110,17 +117,23 @@ class Demo:
             "repair-2",
             "search_documents",
             {"query": "refund policy", "top_k": 20},
+            repairs="repair-1",  # the ledger counts the chain and bounds it
         )
         assert self.host is not None
         status = await self.host.outcome(fixed.operation_id or "", timeout=30)
+        repair = fixed.decision.repair if fixed.decision else None
+        counted = f"repair {repair.attempt} of {repair.max_attempts}" if repair else "no count"
         step.observed = (
             f"rejected with {len(issues)} repairable findings; repaired → {status.state}"
+            f" ({counted}, counted by the ledger)"
         )
         step.ok = (
             bad.state == "rejected"
             and bool(bad.decision and bad.decision.repairable)
             and {i.path for i in issues} == {"/query", "/top_k"}
             and status.state == "succeeded"
+            and repair is not None
+            and repair.attempt == 1
         )
 
     async def cross_tenant(self, step: Step) -> None:

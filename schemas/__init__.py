@@ -11,6 +11,8 @@ same shapes are published as Draft 2020-12 JSON Schema files in
 
 from schemas._canonical import canonical_json, proposal_hash, sha256_hex
 from schemas._decision import (
+    REPAIR_EXHAUSTED,
+    REPAIR_TARGET_INVALID,
     ApprovalRequirement,
     CheckStage,
     Decision,
@@ -71,6 +73,8 @@ __all__ = [
     "FEED_STREAM",
     "OPERATION_ID_PATTERN",
     "RECONCILE_UNSUPPORTED",
+    "REPAIR_EXHAUSTED",
+    "REPAIR_TARGET_INVALID",
     "RESULTS_CONSUMER",
     "RESULTS_STREAM",
     "SCHEMA_DIR",

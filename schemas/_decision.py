@@ -11,6 +11,8 @@ from schemas._base import WireModel
 from schemas._errors import ErrorCategory
 
 __all__ = [
+    "REPAIR_EXHAUSTED",
+    "REPAIR_TARGET_INVALID",
     "ApprovalRequirement",
     "CheckStage",
     "Decision",
@@ -19,6 +21,13 @@ __all__ = [
     "RiskLevel",
     "ValidationIssue",
 ]
+
+
+REPAIR_EXHAUSTED = "repair_exhausted"
+"""The finding of a repair past its contract's `max_repair_attempts`, counted by the ledger."""
+REPAIR_TARGET_INVALID = "repair_target_invalid"
+"""The finding of a repair that names no rejected, repairable proposal of the same host,
+conversation and tool, or one another proposal already repairs."""
 
 
 class RiskLevel(StrEnum):
@@ -53,6 +62,8 @@ class CheckStage(StrEnum):
     RISK = "risk"
     APPROVAL = "approval"
     BUDGET = "budget"
+    REPAIR = "repair"
+    """The ledger's bound on the repair loop (checked by the ledger, from its events)."""
 
 
 class DecisionOutcome(StrEnum):

@@ -54,7 +54,15 @@ class ToolProposal(WireModel):
     repair_attempt: int = Field(
         default=0,
         ge=0,
-        description="How many repairs of this call the host has already asked the model for.",
+        description="Informational only: the ledger counts repairs itself (`repairs`), and"
+        " this value neither exhausts nor extends the bound.",
+    )
+    repairs: str | None = Field(
+        default=None,
+        pattern=TOKEN_PATTERN,
+        description="The host's operation ID of the rejected proposal this one repairs (same"
+        " conversation and tool). The ledger counts the chain and refuses a repair past the"
+        " contract's `max_repair_attempts` with `repair_exhausted`.",
     )
 
 

@@ -224,6 +224,7 @@ _KINDS = (
         Op.ConflictingOutcomeRecorded,
         lambda e: f"conflicting {e.outcome} from {e.executor} ignored; the outcome stands",
     ),
+    EventKind(Op.RepairProposed, lambda e: f"repaired by {e.by}"),
     EventKind(
         Op.CancelRequested,
         lambda e: f"cancel requested by {e.by}" + (f": {e.reason}" if e.reason else ""),

@@ -41,6 +41,7 @@ class Refusal(str):
 ALLOWED: dict[str, frozenset[OperationState]] = {
     "validate": frozenset({S.PROPOSED}),
     "reject": frozenset({S.PROPOSED}),
+    "note_repair": frozenset({S.REJECTED}),
     "request_approval": frozenset({S.VALIDATED}),
     "mark_ready": frozenset({S.VALIDATED}),
     "grant_approval": frozenset(
@@ -135,6 +136,10 @@ class Operation(BaseAggregate[str]):
         capabilities: list[str] | None = None
         """The caller's capabilities from its trusted runtime context, sorted (None in
         events stored before they were recorded)."""
+        repairs: str | None = None
+        """The ledger's ID of the rejected operation this proposal repairs."""
+        repair_depth: int = 0
+        """How many repairs precede this proposal in its chain (0: not a repair)."""
 
         def apply(self, aggregate: Any) -> None:
             aggregate.head_hash = GENESIS_HASH
@@ -153,6 +158,10 @@ class Operation(BaseAggregate[str]):
             aggregate.capabilities = (
                 None if self.capabilities is None else tuple(self.capabilities)
             )
+            aggregate.repairs = self.repairs
+            aggregate.repair_depth = self.repair_depth
+            aggregate.repaired_by = None
+            aggregate.repairable = False
             aggregate.tool_version = None
             aggregate.input_schema_hash = None
             aggregate.output_schema_hash = None
@@ -213,6 +222,7 @@ class Operation(BaseAggregate[str]):
             aggregate.state = S.REJECTED
             aggregate.issues = self.issues
             aggregate.tool_version = self.tool_version
+            aggregate.repairable = self.repairable
             aggregate.outcome = Outcome(OutcomeStatus.REJECTED, category=self.category)
 
     class ApprovalRequested(Event):
@@ -514,6 +524,15 @@ class Operation(BaseAggregate[str]):
         outcome: str
         output_hash: str = ""
 
+    class RepairProposed(Event):
+        """A new proposal repairs this rejected one (at most one may: the chain is linear)."""
+
+        by: str
+        """The ledger's ID of the repairing operation."""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.repaired_by = self.by
+
     class CancelRequested(Event):
         """Someone asked to cancel the operation."""
 
@@ -573,6 +592,13 @@ class Operation(BaseAggregate[str]):
         host: str
         capabilities: tuple[str, ...] | None
         """The caller's capabilities as proposed (None: not recorded, an old operation)."""
+        repairs: str | None
+        """The rejected operation this one repairs (`Proposed.repairs`)."""
+        repair_depth: int
+        repaired_by: str | None
+        """The operation that repairs this rejected one, once one does."""
+        repairable: bool
+        """Rejected with findings a model may repair."""
         tool_version: str | None
         input_schema_hash: str | None
         output_schema_hash: str | None
@@ -616,6 +642,8 @@ class Operation(BaseAggregate[str]):
         host: str = "",
         omitted: dict[str, Any] | None = None,
         capabilities: Iterable[str] | None = None,
+        repairs: str | None = None,
+        repair_depth: int = 0,
     ) -> Operation:
         """Record a new proposal under `operation_id` (`omitted`: what of it was not kept;
         `capabilities`: the caller's, from its trusted runtime context)."""
@@ -633,6 +661,8 @@ class Operation(BaseAggregate[str]):
             host=host,
             omitted=omitted,
             capabilities=None if capabilities is None else sorted(capabilities),
+            repairs=repairs,
+            repair_depth=repair_depth,
         )
 
     def _guard(self, command: str) -> None:
@@ -699,6 +729,17 @@ class Operation(BaseAggregate[str]):
             issues=issues,
             tool_version=tool_version,
         )
+
+    def note_repair(self, *, by: str, now: datetime) -> None:
+        """Record that operation `by` repairs this rejected one; a second repair is refused."""
+        self._guard("note_repair")
+        if self.repaired_by is not None and self.repaired_by != by:
+            raise IllegalTransition(
+                f"already repaired by {self.repaired_by}", operation_id=self.id
+            )
+        if self.repaired_by == by:
+            return  # the same repair again: converge, append nothing
+        self._trigger(self.RepairProposed, now, by=by)
 
     def request_approval(
         self,

@@ -20,10 +20,14 @@ from ledger.retention import KEPT_REJECTED_BYTES, kept_arguments
 from ledger.service._runner import CommandRunner
 from policy import ProposalChecker, ToolContract
 from schemas import (
+    REPAIR_EXHAUSTED,
+    REPAIR_TARGET_INVALID,
+    CheckStage,
     Decision,
     DecisionOutcome,
     RuntimeContext,
     ToolProposal,
+    ValidationIssue,
     host_operation_id,
     ledger_operation_id,
     sha256_hex,
@@ -64,6 +68,9 @@ def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "")
         "tenant": context.tenant,
         "host": host,
     }
+    if proposal.repairs is not None:
+        # Only when set, so that the fingerprints of calls stored before stay as they were.
+        body["repairs"] = proposal.repairs
     try:
         encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     except TypeError:
@@ -144,6 +151,8 @@ class Submissions:
         stored = self._runner.tables.stored_ids(operation_id for _, operation_id, *_ in keyed)
         new: list[tuple[int, Operation, Decision]] = []
         fresh: dict[str, tuple[int, str]] = {}
+        # Rejected operations a proposal of this batch repairs: saved in the same append.
+        repaired: dict[str, Operation] = {}
         for index, operation_id, proposal, context, host in keyed:
             try:
                 print_ = fingerprint(proposal, context, host)
@@ -160,7 +169,7 @@ class Submissions:
                         answers[index] = existing
                         continue
                 operation, decision = self._new_operation(
-                    operation_id, proposal, context, print_, host
+                    operation_id, proposal, context, print_, host, repaired
                 )
             except LedgerError as error:
                 answers[index] = error
@@ -185,7 +194,10 @@ class Submissions:
                 )
         if new:
             try:
-                self._runner.save(*(operation for _, operation, _ in new))
+                self._runner.save(
+                    *(operation for _, operation, _ in new),
+                    *(target for target in repaired.values() if target.pending_events),
+                )
             except IntegrityError:
                 # Another writer created one of these IDs meanwhile: settle one by one.
                 if self._budget is not None:
@@ -212,6 +224,46 @@ class Submissions:
                 return existing
         return self._submit_many([item])[0]
 
+    def _repair_link(
+        self,
+        proposal: ToolProposal,
+        host: str,
+        operation_id: str,
+        repaired: dict[str, Operation] | None,
+    ) -> tuple[Operation | None, int, ValidationIssue | None]:
+        """The rejected operation `proposal` repairs, the chain's depth, or why it cannot.
+
+        A repair must name a rejected, repairable proposal of the same host,
+        conversation and tool that no other proposal repairs yet. Its depth is
+        the target's plus one: counted from the ledger's events, whatever the
+        host says in `repair_attempt`.
+        """
+        if proposal.repairs is None:
+            return _NO_REPAIR
+        target_id = ledger_operation_id(host, proposal.repairs)
+        target = (repaired or {}).get(target_id)
+        if target is None:
+            try:
+                target = self._runner.get(target_id)
+            except OperationNotFound:
+                return _invalid_repair("`repairs` names no proposal of this host")
+        if target.host != host:
+            return _invalid_repair("`repairs` names no proposal of this host")
+        if (
+            target.state is not OperationState.REJECTED
+            or target.tool != proposal.tool_name
+            or target.proposal.get("conversation_id") != proposal.conversation_id
+        ):
+            return _invalid_repair(
+                "`repairs` must name a rejected, repairable proposal of the same"
+                " conversation and tool"
+            )
+        if target.repaired_by not in (None, operation_id):
+            return _invalid_repair(
+                "that proposal is already repaired by another: repair the newest one"
+            )
+        return target, target.repair_depth + 1, None
+
     def _existing(self, operation_id: str, print_: str) -> Submission | None:
         try:
             operation = self._runner.get(operation_id)
@@ -228,9 +280,39 @@ class Submissions:
         context: RuntimeContext,
         print_: str,
         host: str,
+        repaired: dict[str, Operation] | None = None,
     ) -> tuple[Operation, Decision]:
         now = self._clock()
-        decision = self._checker.check(proposal, context)
+        target, depth, refusal = self._repair_link(proposal, host, operation_id, repaired)
+        # The ledger's own count, never the host's: `repair_attempt` is what the
+        # check's repair status and bound read.
+        proposal = proposal.model_copy(update={"repair_attempt": depth})
+        contract_of = self._checker.catalog.get(proposal.tool_name)
+        if refusal is None and contract_of is not None and depth > contract_of.max_repair_attempts:
+            refusal = ValidationIssue(
+                stage=CheckStage.REPAIR,
+                code=REPAIR_EXHAUSTED,
+                message=f"this call was repaired {depth - 1} times already; the bound is"
+                f" {contract_of.max_repair_attempts}: ask the user instead",
+                expected=contract_of.max_repair_attempts,
+                actual=depth,
+                repairable=False,
+            )
+        elif refusal is None and target is not None and not target.repairable:
+            refusal = ValidationIssue(
+                stage=CheckStage.REPAIR,
+                code=REPAIR_TARGET_INVALID,
+                message="that rejection cannot be repaired by the model: ask the user",
+                repairable=False,
+            )
+            target = None
+        decision = (
+            self._checker.check(proposal, context)
+            if refusal is None
+            else self._checker.refuse(proposal, [refusal])
+        )
+        if refusal is not None and refusal.code == REPAIR_TARGET_INVALID:
+            target = None  # not a valid link: nothing is noted on it
         rejected = decision.outcome is DecisionOutcome.REJECTED
         # Accepted arguments passed the parse stage: plain JSON, bounded in
         # size. Of a rejected proposal only what is storable and small is kept.
@@ -253,7 +335,12 @@ class Submissions:
             host=host,
             omitted=omitted,
             capabilities=context.capabilities,
+            repairs=target.id if target is not None else None,
+            repair_depth=depth if target is not None else 0,
         )
+        if target is not None and repaired is not None:
+            target.note_repair(by=operation_id, now=now)
+            repaired[target.id] = target
         if rejected:
             operation.reject(
                 issues=[issue.model_dump(mode="json") for issue in decision.issues],
@@ -292,6 +379,22 @@ class Submissions:
                 now=now,
             )
         return operation, decision
+
+
+_NO_REPAIR: tuple[None, int, None] = (None, 0, None)
+
+
+def _invalid_repair(message: str) -> tuple[None, int, ValidationIssue]:
+    return (
+        None,
+        0,
+        ValidationIssue(
+            stage=CheckStage.REPAIR,
+            code=REPAIR_TARGET_INVALID,
+            message=message,
+            repairable=False,
+        ),
+    )
 
 
 def _conflict(operation_id: str) -> OperationConflict:

@@ -20,6 +20,7 @@ from policy._contract import ToolContract
 from policy._ports import BudgetCounter, SemanticRule, TargetResolver
 from policy._registry import ToolCatalog
 from schemas import (
+    REPAIR_EXHAUSTED,
     CanonicalizationError,
     CheckStage,
     Decision,
@@ -191,6 +192,16 @@ class ProposalChecker:
             repair=self._repair_status(proposal, contract, exhausted=False),
         )
 
+    def refuse(self, proposal: ToolProposal, issues: Sequence[ValidationIssue]) -> Decision:
+        """A rejection decided outside the layered check: the ledger's repair bound.
+
+        A `repair_exhausted` finding marks the repair loop exhausted.
+        """
+        contract = self.catalog.get(proposal.tool_name)
+        if contract is None:
+            return _rejected(proposal.proposal_id, proposal.tool_name, list(issues))
+        return self._reject(proposal, contract, issues)
+
     def _repair_status(
         self, proposal: ToolProposal, contract: ToolContract, *, exhausted: bool
     ) -> RepairStatus:
@@ -212,7 +223,9 @@ class ProposalChecker:
         reasons: tuple[str, ...] = (),
     ) -> Decision:
         repairable = all(issue.repairable for issue in issues)
-        exhausted = repairable and proposal.repair_attempt >= contract.max_repair_attempts
+        exhausted = (
+            repairable and proposal.repair_attempt >= contract.max_repair_attempts
+        ) or any(issue.code == REPAIR_EXHAUSTED for issue in issues)
         return Decision(
             outcome=DecisionOutcome.REJECTED,
             **_checked(proposal, contract, normalized, applied, hashed, risk, reasons),

@@ -172,6 +172,7 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
         now=T0,
     ),
     "mark_ready": lambda op: op.mark_ready(T0),
+    "note_repair": lambda op: op.note_repair(by="op-2", now=T0),
     "grant_approval": lambda op: op.grant_approval(
         approval_id="apr-1",
         approver="bob",
@@ -207,6 +208,7 @@ EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.PROPOSED, "validate"): S.VALIDATED,
     (S.PROPOSED, "reject"): S.REJECTED,
     (S.PROPOSED, "request_cancel"): S.CANCELLED,
+    (S.REJECTED, "note_repair"): S.REJECTED,  # RepairProposed: a fact, not a state
     (S.VALIDATED, "request_approval"): S.AWAITING_APPROVAL,
     (S.VALIDATED, "mark_ready"): S.READY,
     (S.VALIDATED, "request_cancel"): S.CANCELLED,
@@ -262,7 +264,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 15 * 17
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 15 * 18
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])
