@@ -43,11 +43,19 @@ from policy._export import (
     to_openai_tool,
 )
 from policy._fakes import InMemoryBudgetCounter, InMemoryTargetResolver
-from policy._ports import BudgetCounter, SemanticInput, SemanticRule, Target, TargetResolver
+from policy._ports import (
+    AmbiguousTarget,
+    BudgetCounter,
+    SemanticInput,
+    SemanticRule,
+    Target,
+    TargetResolver,
+)
 from policy._registry import ContractRegistry, ToolCatalog, json_pointer, parse_contract
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "AmbiguousTarget",
     "ApprovalMode",
     "ApprovalPolicy",
     "ArgumentLimits",

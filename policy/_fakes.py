@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from policy._ports import Target
+from policy._ports import AmbiguousTarget, Target
 from schemas import RuntimeContext
 
 __all__ = ["InMemoryBudgetCounter", "InMemoryTargetResolver", "load_targets"]
@@ -28,16 +28,23 @@ class InMemoryTargetResolver:
     """Resolves targets from a fixed set, scoped to the caller's tenant like a real store."""
 
     def __init__(self, targets: Iterable[Target] = ()) -> None:
-        self._targets = {(t.kind, t.id): t for t in targets}
+        self._targets: dict[tuple[str, str], list[Target]] = {}
+        for target in targets:
+            self.add(target)
 
     def add(self, target: Target) -> None:
-        """Make `target` resolvable."""
-        self._targets[(target.kind, target.id)] = target
+        """Make `target` resolvable (a second one of the same kind and ID makes it ambiguous)."""
+        self._targets.setdefault((target.kind, target.id), []).append(target)
 
-    def resolve(self, kind: str, target_id: str, context: RuntimeContext) -> Target | None:
+    def resolve(
+        self, kind: str, target_id: str, context: RuntimeContext
+    ) -> Target | AmbiguousTarget | None:
         """The target, whatever its tenant: the check decides visibility."""
         del context  # a real resolver may use it to scope the query
-        return self._targets.get((kind, target_id))
+        found = self._targets.get((kind, target_id), [])
+        if len(found) > 1:
+            return AmbiguousTarget(kind, target_id, tuple(found))
+        return found[0] if found else None
 
 
 class InMemoryBudgetCounter:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from schemas import RuntimeContext, ValidationIssue
 
 __all__ = [
+    "AmbiguousTarget",
     "BudgetCounter",
     "SemanticInput",
     "SemanticRule",
@@ -31,11 +32,23 @@ class Target:
     attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
-class TargetResolver(Protocol):
-    """Looks a target up in the host's systems. Returns None when it does not exist."""
+@dataclass(frozen=True, slots=True)
+class AmbiguousTarget:
+    """More than one resource answers to the reference (a customer record kept twice)."""
 
-    def resolve(self, kind: str, target_id: str, context: RuntimeContext) -> Target | None:
-        """The target of `kind` with `target_id`, or None."""
+    kind: str
+    id: str
+    matches: tuple[Target, ...]
+
+
+class TargetResolver(Protocol):
+    """Looks a target up in the host's systems. Returns None when it does not exist,
+    and `AmbiguousTarget` when several resources answer to it."""
+
+    def resolve(
+        self, kind: str, target_id: str, context: RuntimeContext
+    ) -> Target | AmbiguousTarget | None:
+        """The target of `kind` with `target_id`, all of them if several, or None."""
         ...
 
 

@@ -72,6 +72,9 @@ class DecisionOutcome(StrEnum):
     READY = "ready"
     NEEDS_APPROVAL = "needs_approval"
     REJECTED = "rejected"
+    NEEDS_CLARIFICATION = "needs_clarification"
+    """Only the user can settle it (two customers match): ask them `question`; the model
+    is not invited to repair it."""
 
 
 class ValidationIssue(WireModel):
@@ -91,6 +94,11 @@ class ValidationIssue(WireModel):
     repairable: bool
     category: ErrorCategory = ErrorCategory.INVALID_INPUT
     details: dict[str, Any] = Field(default_factory=dict)
+    question: str | None = Field(
+        default=None,
+        description="For a finding only the user can settle (an ambiguous reference): what"
+        " to ask them. Such a finding makes the decision `needs_clarification`.",
+    )
 
 
 class ApprovalRequirement(WireModel):
@@ -130,6 +138,9 @@ class Decision(WireModel):
     repair: RepairStatus | None = None
     category: ErrorCategory | None = Field(
         default=None, description="For a rejection: the category of its first issue."
+    )
+    question: str | None = Field(
+        default=None, description="For `needs_clarification`: what to ask the user."
     )
 
     @property

@@ -107,6 +107,12 @@ _KINDS = (
         settles=True,
     ),
     EventKind(
+        Op.ClarificationNeeded,
+        lambda e: f"needs the user: {e.question}",
+        state=S.NEEDS_CLARIFICATION,
+        settles=True,
+    ),
+    EventKind(
         Op.ApprovalRequested,
         lambda e: (
             f"approval {e.approval_id} requested: {e.required_approvals} from "

@@ -41,6 +41,7 @@ class Refusal(str):
 ALLOWED: dict[str, frozenset[OperationState]] = {
     "validate": frozenset({S.PROPOSED}),
     "reject": frozenset({S.PROPOSED}),
+    "ask_clarification": frozenset({S.PROPOSED}),
     "note_repair": frozenset({S.REJECTED}),
     "request_approval": frozenset({S.VALIDATED}),
     "mark_ready": frozenset({S.VALIDATED}),
@@ -224,6 +225,20 @@ class Operation(BaseAggregate[str]):
             aggregate.tool_version = self.tool_version
             aggregate.repairable = self.repairable
             aggregate.outcome = Outcome(OutcomeStatus.REJECTED, category=self.category)
+
+    class ClarificationNeeded(Event):
+        """Only the user can settle the call (an ambiguous reference): it will not run."""
+
+        question: str
+        reason_codes: list[str]
+        issues: list[dict[str, Any]]
+        tool_version: str | None = None
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.state = S.NEEDS_CLARIFICATION
+            aggregate.issues = self.issues
+            aggregate.tool_version = self.tool_version
+            aggregate.outcome = Outcome(OutcomeStatus.NEEDS_CLARIFICATION, question=self.question)
 
     class ApprovalRequested(Event):
         """A human must approve this exact call before it can run."""
@@ -726,6 +741,25 @@ class Operation(BaseAggregate[str]):
             reason_codes=[str(issue["code"]) for issue in issues],
             category=category,
             repairable=repairable,
+            issues=issues,
+            tool_version=tool_version,
+        )
+
+    def ask_clarification(
+        self,
+        *,
+        question: str,
+        issues: list[dict[str, Any]],
+        tool_version: str | None,
+        now: datetime,
+    ) -> None:
+        """Record that the check found a question only the user can answer."""
+        self._guard("ask_clarification")
+        self._trigger(
+            self.ClarificationNeeded,
+            now,
+            question=question[:1000],
+            reason_codes=[str(issue["code"]) for issue in issues],
             issues=issues,
             tool_version=tool_version,
         )

@@ -12,6 +12,8 @@ class OperationState(StrEnum):
 
     PROPOSED = "proposed"
     REJECTED = "rejected"
+    NEEDS_CLARIFICATION = "needs_clarification"
+    """Only the user can settle the call (an ambiguous reference): final, never run."""
     VALIDATED = "validated"
     AWAITING_APPROVAL = "awaiting_approval"
     APPROVAL_DENIED = "approval_denied"
@@ -36,6 +38,7 @@ class OperationState(StrEnum):
 TERMINAL_STATES = frozenset(
     {
         OperationState.REJECTED,
+        OperationState.NEEDS_CLARIFICATION,
         OperationState.APPROVAL_DENIED,
         OperationState.APPROVAL_EXPIRED,
         OperationState.SUCCEEDED,

@@ -67,6 +67,7 @@ class OutcomeStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     REJECTED = "rejected"
+    NEEDS_CLARIFICATION = "needs_clarification"
     APPROVAL_DENIED = "approval_denied"
     APPROVAL_EXPIRED = "approval_expired"
     CANCELLED = "cancelled"
@@ -93,6 +94,8 @@ class Outcome:
     """Who denied or cancelled it."""
     reconciled: bool = False
     """Established after the fact, by reconciliation."""
+    question: str = ""
+    """For `needs_clarification`: what to ask the user."""
 
     def as_dict(self) -> dict[str, Any]:
         """The outcome as hosts receive it: only the keys its status has."""
@@ -112,6 +115,8 @@ class Outcome:
                 "retryable": self.retryable,
                 "attempt": self.attempt,
             }
+        elif status is OutcomeStatus.NEEDS_CLARIFICATION:
+            return {"status": status.value, "question": self.question}
         elif status is OutcomeStatus.REJECTED:
             rejected = {"status": status.value, "category": self.category}
             return rejected | {"code": self.code} if self.code else rejected

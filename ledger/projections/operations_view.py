@@ -349,7 +349,7 @@ class OperationsProjector:
             self._db.query(
                 "SELECT COUNT(*) FROM opledger_operations"
                 " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?"
-                " AND state <> 'rejected'",
+                " AND state NOT IN ('rejected', 'needs_clarification')",
                 (view_text(tenant), view_text(actor), tool, _iso(since)),
             )[0][0]
         )

@@ -188,7 +188,7 @@ class Submissions:
                 continue
             fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
-            if self._budget is not None and decision.outcome is not DecisionOutcome.REJECTED:
+            if self._budget is not None and decision.outcome not in _NOT_ACCEPTED:
                 self._budget.note_pending(
                     tenant=context.tenant, actor=context.principal, tool=decision.tool
                 )
@@ -313,7 +313,7 @@ class Submissions:
         )
         if refusal is not None and refusal.code == REPAIR_TARGET_INVALID:
             target = None  # not a valid link: nothing is noted on it
-        rejected = decision.outcome is DecisionOutcome.REJECTED
+        rejected = decision.outcome in _NOT_ACCEPTED
         # Accepted arguments passed the parse stage: plain JSON, bounded in
         # size. Of a rejected proposal only what is storable and small is kept.
         arguments, omitted = (
@@ -341,6 +341,14 @@ class Submissions:
         if target is not None and repaired is not None:
             target.note_repair(by=operation_id, now=now)
             repaired[target.id] = target
+        if decision.outcome is DecisionOutcome.NEEDS_CLARIFICATION:
+            operation.ask_clarification(
+                question=decision.question or "",
+                issues=[issue.model_dump(mode="json") for issue in decision.issues],
+                tool_version=decision.tool_version,
+                now=now,
+            )
+            return operation, decision
         if rejected:
             operation.reject(
                 issues=[issue.model_dump(mode="json") for issue in decision.issues],
@@ -380,6 +388,9 @@ class Submissions:
             )
         return operation, decision
 
+
+_NOT_ACCEPTED = frozenset({DecisionOutcome.REJECTED, DecisionOutcome.NEEDS_CLARIFICATION})
+"""Decisions that never run: only what is storable and small of their arguments is kept."""
 
 _NO_REPAIR: tuple[None, int, None] = (None, 0, None)
 

@@ -226,8 +226,15 @@ class ProposalChecker:
         exhausted = (
             repairable and proposal.repair_attempt >= contract.max_repair_attempts
         ) or any(issue.code == REPAIR_EXHAUSTED for issue in issues)
+        question = next((issue.question for issue in issues if issue.question), None)
         return Decision(
-            outcome=DecisionOutcome.REJECTED,
+            # Only the user can settle a question: not a rejection to repair.
+            outcome=(
+                DecisionOutcome.REJECTED
+                if question is None
+                else DecisionOutcome.NEEDS_CLARIFICATION
+            ),
+            question=question,
             **_checked(proposal, contract, normalized, applied, hashed, risk, reasons),
             issues=bounded_issues(issues, self.limits.max_issues),
             repair=self._repair_status(proposal, contract, exhausted=exhausted),

@@ -14,7 +14,7 @@ from typing import Any
 
 from policy._check._pointer import MISSING, resolve_pointer
 from policy._contract import TargetRule, ToolContract
-from policy._ports import SemanticInput, SemanticRule, Target, TargetResolver
+from policy._ports import AmbiguousTarget, SemanticInput, SemanticRule, Target, TargetResolver
 from schemas import CheckStage, ErrorCategory, RuntimeContext, ValidationIssue
 
 __all__ = ["check_semantics"]
@@ -32,6 +32,13 @@ def _issue(
         category=category,
         **extra,
     )
+
+
+def _label(target: Target) -> str:
+    """How a candidate is named in a question to the user (its own tenant's record)."""
+    attributes = target.attributes
+    parts = [str(attributes[key]) for key in ("name", "email", "title") if attributes.get(key)]
+    return ", ".join(parts) or target.id
 
 
 def _expand(arguments: Mapping[str, Any], pointer: str) -> list[tuple[str, Any]]:
@@ -58,7 +65,27 @@ def _resolve_target(
 ) -> tuple[Target | None, list[ValidationIssue]]:
     if target_id is MISSING or target_id is None:
         return None, []  # optional argument not given; the schema decides if it is required
-    target = resolver.resolve(rule.kind, str(target_id), context)
+    found = resolver.resolve(rule.kind, str(target_id), context)
+    if isinstance(found, AmbiguousTarget):
+        # Only the caller's tenant's matches count; several of them is a question
+        # for the user, not a repair for the model (seed 001's needs_clarification).
+        mine = [match for match in found.matches if match.tenant == context.tenant]
+        if len(mine) > 1:
+            return None, [
+                _issue(
+                    "TARGET_AMBIGUOUS",
+                    pointer,
+                    f"{len(mine)} {rule.kind} records answer to '{target_id}'",
+                    category=ErrorCategory.INVALID_INPUT,
+                    repairable=False,
+                    actual=str(target_id),
+                    question=f"Which {rule.kind} do you mean? {len(mine)} records answer to"
+                    f" '{target_id}': "
+                    + "; ".join(_label(match) for match in mine[:5]),
+                )
+            ]
+        found = mine[0] if mine else None
+    target = found
     not_found = _issue(
         "TARGET_NOT_FOUND",
         pointer,

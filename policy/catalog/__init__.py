@@ -382,7 +382,8 @@ def sample_targets() -> list[Target]:
     of document-b (seed 004); orders `order-1001`, `order-1003` (already
     refunded) and `order-1004` (a large one) of `alice`, `order-1002` of `bob`;
     customers `cus-0001` to `cus-0600` (enough for seed 001's 500-recipient
-    mailing). Tenant `globex`: `document-g`, `snap-g-1`, `order-2001` of
+    mailing), and `cus-0700`, kept twice (two "Jordan Lee" records: a reference
+    to it needs the user to say which). Tenant `globex`: `document-g`, `snap-g-1`, `order-2001` of
     `carol` and customer `cus-9001`, invisible to acme callers.
 
     A document's and a snapshot's `version` is its revision and attribute

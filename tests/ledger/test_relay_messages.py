@@ -169,5 +169,5 @@ def test_the_registry_names_the_dispatching_and_settling_events() -> None:
     assert {kind.name for kind in kinds if kind.notifies} == {"ResolutionNeeded"}
     assert {kind.name for kind in kinds if kind.settles} == {
         "Succeeded", "Failed", "Rejected", "ApprovalDenied", "ApprovalExpired", "Cancelled",
-        "Reconciled", "ExecutionRefused",
+        "Reconciled", "ExecutionRefused", "ClarificationNeeded",
     }

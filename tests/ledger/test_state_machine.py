@@ -82,6 +82,15 @@ def _with(build: Callable[[], Operation], action: Callable[[Operation], Any]) ->
 
 BUILDERS: dict[OperationState, Callable[[], Operation]] = {
     S.PROPOSED: proposed,
+    S.NEEDS_CLARIFICATION: lambda: _with(
+        proposed,
+        lambda op: op.ask_clarification(
+            question="Which customer do you mean?",
+            issues=[{"code": "TARGET_AMBIGUOUS"}],
+            tool_version="1.0.0",
+            now=T0,
+        ),
+    ),
     S.REJECTED: lambda: _with(
         proposed,
         lambda op: op.reject(
@@ -172,6 +181,9 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
         now=T0,
     ),
     "mark_ready": lambda op: op.mark_ready(T0),
+    "ask_clarification": lambda op: op.ask_clarification(
+        question="Which one?", issues=[{"code": "TARGET_AMBIGUOUS"}], tool_version=None, now=T0
+    ),
     "note_repair": lambda op: op.note_repair(by="op-2", now=T0),
     "grant_approval": lambda op: op.grant_approval(
         approval_id="apr-1",
@@ -207,6 +219,7 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
 EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.PROPOSED, "validate"): S.VALIDATED,
     (S.PROPOSED, "reject"): S.REJECTED,
+    (S.PROPOSED, "ask_clarification"): S.NEEDS_CLARIFICATION,
     (S.PROPOSED, "request_cancel"): S.CANCELLED,
     (S.REJECTED, "note_repair"): S.REJECTED,  # RepairProposed: a fact, not a state
     (S.VALIDATED, "request_approval"): S.AWAITING_APPROVAL,
@@ -264,7 +277,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 15 * 18
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 16 * 19
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])

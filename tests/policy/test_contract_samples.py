@@ -390,7 +390,12 @@ def test_sample_world_has_the_seed_004_snapshots_and_two_tenants() -> None:
     assert targets[("snapshot", "snap-b-8")].source_id == "document-b"
     owners = {t.owner for t in targets.values() if t.kind == "order"}
     assert {"alice", "bob"} <= owners
-    assert len(targets) == len(sample_targets()), "(kind, id) pairs are unique"
+    # (kind, id) pairs are unique but one: customer cus-0700, kept twice on purpose
+    # (a reference to it needs the user to say which record).
+    assert len(targets) == len(sample_targets()) - 1
+    assert [t.attributes["email"] for t in sample_targets() if t.id == "cus-0700"] == [
+        "jordan.lee@acme.example.test", "j.lee@acme.example.test",
+    ]
 
 
 # --------------------------------------------------------------------------- the seeds' cases
