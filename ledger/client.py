@@ -35,6 +35,7 @@ from schemas import (
     ErrorEnvelope,
     ErrorInfo,
     OperationStatus,
+    OperatorRequest,
     OpledgerError,
     ProposalEnvelope,
     ProposeReply,
@@ -46,7 +47,13 @@ from schemas import (
     new_operation_id,
 )
 
-__all__ = ["AgentHostClient", "LedgerUnavailable", "OutcomeTimeout", "RequestRefused"]
+__all__ = [
+    "AgentHostClient",
+    "LedgerUnavailable",
+    "OperatorClient",
+    "OutcomeTimeout",
+    "RequestRefused",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -153,23 +160,7 @@ class AgentHostClient:
         self._announced.remember(status.operation_id, status)
 
     async def _request(self, subject: str, payload: bytes, attempts: int) -> bytes:
-        for attempt in range(attempts):
-            try:
-                reply = await self._nc.request(subject, payload, timeout=self._timeout)
-            except (NatsTimeout, NoRespondersError):
-                if attempt + 1 == attempts:
-                    raise LedgerUnavailable("no ledger service answered") from None
-                await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
-                continue
-            data = bytes(reply.data)
-            busy = _busy_wait_s(data)
-            if busy is not None and attempt + 1 < attempts:
-                # Too many of this host's requests wait at the ledger: a retry
-                # is safe (proposals are idempotent by their operation ID).
-                await asyncio.sleep(max(busy, min(0.2 * 2**attempt, 2.0)))
-                continue
-            return data
-        raise LedgerUnavailable("no ledger service answered")
+        return await _request(self._nc, subject, payload, attempts, self._timeout)
 
     async def propose(
         self,
@@ -269,6 +260,77 @@ class AgentHostClient:
                 if not waiters:
                     del self._waiters[operation_id]
             waiter.cancel()
+
+
+class OperatorClient:
+    """One operator's connection to the ledger: settle unknown outcomes, cancel.
+
+    The operator's own NATS identity (`Role.OPERATOR`) may publish only to
+    `ops.operate.<name>`, and the ledger records every action as
+    `operator:<name>`: who settled what is the broker's word, not the caller's.
+    Operation IDs are the ledger's (`<host>/<id>`), as `opledger ops` shows them.
+    """
+
+    def __init__(self, nc: Client, name: str, *, timeout: float = 5.0) -> None:
+        self._nc = nc
+        self.name = check_token(name)
+        self._timeout = timeout
+
+    async def resolve(
+        self, operation_id: str, *, applied: bool, reason: str, attempts: int = 3
+    ) -> OperationStatus:
+        """Settle an unknown outcome (or one that needs resolution): what happened, and why."""
+        request = OperatorRequest(
+            command="resolve", operation_id=operation_id, applied=applied, reason=reason
+        )
+        return await self._send(request, attempts)
+
+    async def cancel(
+        self, operation_id: str, *, reason: str = "", attempts: int = 3
+    ) -> OperationStatus:
+        """Cancel any operation (see `AgentHostClient.cancel` for what follows)."""
+        request = OperatorRequest(command="cancel", operation_id=operation_id, reason=reason)
+        return await self._send(request, attempts)
+
+    async def _send(self, request: OperatorRequest, attempts: int) -> OperationStatus:
+        data = await _request(
+            self._nc,
+            Subjects.operate(self.name),
+            request.model_dump_json().encode(),
+            attempts,
+            self._timeout,
+        )
+        return _status_or_refusal(data)
+
+    async def close(self) -> None:
+        """Drain and close the connection."""
+        await self._nc.drain()
+
+
+async def _request(
+    nc: Client, subject: str, payload: bytes, attempts: int, timeout: float
+) -> bytes:
+    """One request to the ledger, asked again on no answer or `LEDGER_BUSY`.
+
+    Every request the SDK sends is safe to repeat: proposals are idempotent by
+    their operation ID, status requests read, and cancels and resolutions converge.
+    """
+    for attempt in range(attempts):
+        try:
+            reply = await nc.request(subject, payload, timeout=timeout)
+        except (NatsTimeout, NoRespondersError):
+            if attempt + 1 == attempts:
+                raise LedgerUnavailable("no ledger service answered") from None
+            await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
+            continue
+        data = bytes(reply.data)
+        busy = _busy_wait_s(data)
+        if busy is not None and attempt + 1 < attempts:
+            # Too many requests wait at the ledger: back off, then ask again.
+            await asyncio.sleep(max(busy, min(0.2 * 2**attempt, 2.0)))
+            continue
+        return data
+    raise LedgerUnavailable("no ledger service answered")
 
 
 def _status_or_refusal(data: bytes) -> OperationStatus:

@@ -22,6 +22,7 @@ __all__ = [
     "LeaseReply",
     "LeaseRequest",
     "OperationStatus",
+    "OperatorRequest",
     "ProposalEnvelope",
     "ProposeReply",
     "StatusRequest",
@@ -138,6 +139,18 @@ class CancelRequest(WireModel):
     """A host asks to cancel one of its own operations (answered with its status)."""
 
     operation_id: str = Field(pattern=TOKEN_PATTERN)
+    reason: str = Field(default="", max_length=500)
+
+
+class OperatorRequest(WireModel):
+    """An operator settles an unknown outcome or cancels, over NATS (answered with the
+    operation's status, by the ledger's ID)."""
+
+    command: Literal["resolve", "cancel"]
+    operation_id: str = Field(pattern=OPERATION_ID_PATTERN, description="The ledger's ID.")
+    applied: bool | None = Field(
+        default=None, description="For `resolve`: whether the effect happened (required)."
+    )
     reason: str = Field(default="", max_length=500)
 
 

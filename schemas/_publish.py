@@ -16,6 +16,7 @@ from schemas._messages import (
     LeaseReply,
     LeaseRequest,
     OperationStatus,
+    OperatorRequest,
     ProposalEnvelope,
     ProposeReply,
     StatusRequest,
@@ -43,6 +44,7 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "lease-reply": LeaseReply,
     "status-request": StatusRequest,
     "cancel-request": CancelRequest,
+    "operator-request": OperatorRequest,
     "operation-status": OperationStatus,
     "feed-event": FeedEvent,
 }

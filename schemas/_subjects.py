@@ -153,6 +153,11 @@ class Subjects:
         return "ops.cancel.*"
 
     @staticmethod
+    def all_operator_requests() -> str:
+        """Every operator's subject (`ops.operate.*`), served by the ledger."""
+        return "ops.operate.*"
+
+    @staticmethod
     def all_lease_requests() -> str:
         """Every tool's lease subject (`ops.lease.*`), served by the ledger."""
         return "ops.lease.*"
@@ -193,6 +198,11 @@ class Subjects:
     def cancel(host: str) -> str:
         """Where host `host` asks to cancel one of its own operations (request/reply)."""
         return f"ops.cancel.{check_token(host)}"
+
+    @staticmethod
+    def operate(operator: str) -> str:
+        """Where operator `operator` settles or cancels operations (request/reply)."""
+        return f"ops.operate.{check_token(operator)}"
 
     @staticmethod
     def outcome(host: str, operation_id: str) -> str:

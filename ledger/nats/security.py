@@ -145,6 +145,8 @@ class Role(StrEnum):
     HOST = "host"
     EXECUTOR = "exec"
     AUDITOR = "auditor"
+    OPERATOR = "operator"
+    """A person's tool (`OperatorClient`): settles unknown outcomes and cancels."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ def permissions_for(role: Role, name: str) -> Permissions:
                 Subjects.all_proposals(),
                 Subjects.all_status_requests(),
                 Subjects.all_cancel_requests(),
+                Subjects.all_operator_requests(),
                 Subjects.all_lease_requests(),
                 inbox,
             ),
@@ -250,6 +253,10 @@ def permissions_for(role: Role, name: str) -> Permissions:
             # executor's import; the ledger may otherwise publish to neither.
             allow_responses=ResponsePermission(),
         )
+    if role is Role.OPERATOR:
+        # One request subject of its own (the ledger records who settled what by
+        # it) and its inbox: no JetStream, no host's or executor's subject.
+        return Permissions(publish=(Subjects.operate(name),), subscribe=(inbox,))
     if role is Role.HOST:
         return Permissions(
             publish=(Subjects.propose(name), Subjects.status(name), Subjects.cancel(name)),
@@ -416,6 +423,10 @@ class CredentialSet:
         """Auditor `name`'s identity."""
         return self.get(Role.AUDITOR, name)
 
+    def operator(self, name: str) -> Identity:
+        """Operator `name`'s identity."""
+        return self.get(Role.OPERATOR, name)
+
 
 def _manifest(identities: Iterable[Identity]) -> str:
     entries = [
@@ -437,6 +448,7 @@ def generate_credentials(
     tools: Sequence[str],
     auditors: Sequence[str] = ("auditor",),
     ledger: str = "ledger",
+    operators: Sequence[str] = (),
 ) -> CredentialSet:
     """Create a fresh seed per identity in `directory` (mode 0600) and a manifest.
 
@@ -451,6 +463,7 @@ def generate_credentials(
     wanted += [(Role.HOST, h) for h in hosts]
     wanted += [(Role.EXECUTOR, t) for t in tools]
     wanted += [(Role.AUDITOR, a) for a in auditors]
+    wanted += [(Role.OPERATOR, o) for o in operators]
     seen: set[tuple[Role, str]] = set()
     identities: list[Identity] = []
     for role, name in wanted:
@@ -612,6 +625,7 @@ _REQUESTER_ROLE = {
     "propose": Role.HOST,
     "status": Role.HOST,
     "cancel": Role.HOST,
+    "operate": Role.OPERATOR,
     "lease": Role.EXECUTOR,
 }
 # The reply subject the server gives a request that came through a service import.

@@ -40,6 +40,7 @@ from schemas import (
     ErrorEnvelope,
     ErrorInfo,
     LeaseRequest,
+    OperatorRequest,
     OpledgerError,
     ProposalEnvelope,
     ProposeReply,
@@ -194,6 +195,7 @@ class LedgerService:
         await requests.serve(Subjects.all_proposals(), self._on_propose, error_reply=_refused)
         await requests.serve(Subjects.all_status_requests(), self._on_status)
         await requests.serve(Subjects.all_cancel_requests(), self._on_cancel)
+        await requests.serve(Subjects.all_operator_requests(), self._on_operate)
         await requests.serve(Subjects.all_lease_requests(), self._lease)
         self._requests = requests
 
@@ -217,6 +219,16 @@ class LedgerService:
             return _failed(_invalid(exc))
         try:
             return _reply(await self._gateway.cancel(request.operation_id, host, request.reason))
+        except OpledgerError as error:
+            return _failed(error.to_info(), request.operation_id)
+
+    async def _on_operate(self, body: bytes, operator: str) -> bytes:
+        try:
+            request = OperatorRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _failed(_invalid(exc))
+        try:
+            return _reply(await self._gateway.operate(request, operator))
         except OpledgerError as error:
             return _failed(error.to_info(), request.operation_id)
 

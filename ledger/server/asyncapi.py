@@ -38,6 +38,7 @@ from schemas import (
     LeaseReply,
     LeaseRequest,
     OperationStatus,
+    OperatorRequest,
     ProposalEnvelope,
     ProposeReply,
     ResultEnvelope,
@@ -87,6 +88,9 @@ CHANNELS: tuple[Channel, ...] = (
     Channel("cancel", _address(Subjects.cancel, "host"), CancelRequest, received=True,
             description="A host cancels one of its own operations (request/reply); the"
             " answer is its status after the cancel (`status_reply`) or `request_refused`."),
+    Channel("operate", _address(Subjects.operate, "operator"), OperatorRequest, received=True,
+            description="An operator resolves an unknown outcome or cancels, by the ledger's"
+            " operation ID (request/reply); answered with its status or `request_refused`."),
     Channel("lease", _address(Subjects.lease, "tool"), LeaseRequest, received=True,
             description="An executor asks for the lease on one operation, or checks in"
             " while it runs one (`holding`: the answer may be `cancel`) (request/reply)."),

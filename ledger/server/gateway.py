@@ -26,13 +26,14 @@ from typing import Any, Generic, TypeVar
 import psycopg
 from eventsourcing.persistence import PersistenceError
 
-from ledger.domain.errors import LedgerError
+from ledger.domain.errors import InvalidArgument, LedgerError
 from ledger.domain.states import ResultDisposition
 from ledger.service import Ledger, Submission, SubmitItem
 from schemas import (
     ErrorCategory,
     LeaseReply,
     OperationStatus,
+    OperatorRequest,
     OpledgerError,
     ResultEnvelope,
     ledger_operation_id,
@@ -133,6 +134,19 @@ class LedgerGateway:
         self.ledger.cancel(ledger_operation_id(host, operation_id), by=f"host:{host}",
                            reason=reason)
         return self.ledger.status(operation_id, host=host)
+
+    async def operate(self, request: OperatorRequest, operator: str) -> OperationStatus:
+        """An operator resolves or cancels (recorded as `operator:<name>`); the status after."""
+        by = f"operator:{operator}"
+        if request.command == "resolve":
+            if request.applied is None:
+                raise InvalidArgument("a resolution says whether it was applied (`applied`)")
+            self.ledger.resolve(
+                request.operation_id, by=by, applied=request.applied, reason=request.reason
+            )
+        else:
+            self.ledger.cancel(request.operation_id, by=by, reason=request.reason)
+        return self.ledger.status(request.operation_id)
 
     async def record_many(
         self, envelopes: Sequence[ResultEnvelope]

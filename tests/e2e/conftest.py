@@ -155,7 +155,7 @@ def backend_stack(
         database = ["--database", storage.postgres_dsn or "",
                     "--postgres-schema", storage.postgres_schema]
     credentials = generate_credentials(
-        home / "creds", hosts=hosts, tools=tools, auditors=("auditor",)
+        home / "creds", hosts=hosts, tools=tools, auditors=("auditor",), operators=("ops-lead",)
     )
     server = NatsServer(home / "nats", authorization=credentials.authorization_config)
     server.start()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ledger.client import AgentHostClient
+from ledger.client import AgentHostClient, OperatorClient, RequestRefused
 from ledger.nats import connect_as
 from schemas import LeaseDecision, LeaseReply, LeaseRequest, RuntimeContext, Subjects, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
@@ -100,3 +100,42 @@ async def test_the_host_gets_the_outcome_of_a_cancel_before_the_lease(
         await host.close()
     assert (status.state, status.final) == ("cancelled", True), stack.log("service.log")
     assert status.outcome == {"status": "cancelled", "by": "ops-lead"}
+
+
+async def test_an_operator_settles_it_over_nats_with_its_own_identity(
+    stack: BackendStack,
+) -> None:
+    nc = await connect_as(stack.server.url, stack.credentials.host("h1"))
+    host = AgentHostClient(nc, "h1")
+    executor = await connect_as(stack.server.url, stack.credentials.executor(TOOL))
+    operator = OperatorClient(
+        await connect_as(stack.server.url, stack.credentials.operator("ops-lead")), "ops-lead"
+    )
+    try:
+        proposal = ToolProposal(
+            proposal_id="p-op", conversation_id="c-1", requested_by_user_id="alice",
+            tool_name=TOOL, arguments={"query": "refund policy"}, operation_id="op-op",
+        )
+        assert (await host.propose(proposal, ALICE)).state == "ready"
+        # Not unknown yet: refused, with the error envelope, nothing appended.
+        with pytest.raises(RequestRefused) as refused:
+            await operator.resolve("h1/op-op", applied=True, reason="too early")
+        assert refused.value.code == "ILLEGAL_TRANSITION"
+        request = LeaseRequest(operation_id="h1/op-op", executor="vanishing-executor")
+        await executor.request(Subjects.lease(TOOL), request.model_dump_json().encode(),
+                               timeout=10)
+        for _ in range(100):
+            if (await host.status("op-op")).state == "outcome_unknown":
+                break
+            await asyncio.sleep(0.2)
+        settled = await operator.resolve("h1/op-op", applied=False,
+                                         reason="the provider has no record of it")
+        assert (settled.state, settled.final) == ("failed", True)
+        status = await host.outcome("op-op", timeout=30)
+    finally:
+        await operator.close()
+        await executor.close()
+        await host.close()
+    assert status.outcome is not None and status.outcome["code"] == "NOT_APPLIED"
+    event = stack.ledger().history("h1/op-op")[-1]
+    assert (type(event).__name__, event.by) == ("Reconciled", "operator:ops-lead")

@@ -41,8 +41,18 @@ SCALE = max(int(os.environ.get("OPLEDGER_SOAK_SCALE", "1")), 1)
 MAILS = 24 * SCALE
 READS = 24 * SCALE
 EMAIL, READ = "send_customer_email", "query_orders"
-SUPPORT = RuntimeContext(principal="sam", tenant="acme", capabilities=frozenset({"email:send"}))
-READER = RuntimeContext(principal="rita", tenant="acme", capabilities=frozenset({"orders:read"}))
+USERS = 8
+"""Requesters: the contracts' per-user budgets must not interfere at any scale."""
+
+
+def _support(n: int) -> RuntimeContext:
+    return RuntimeContext(principal=f"sam-{n % USERS}", tenant="acme",
+                          capabilities=frozenset({"email:send"}))
+
+
+def _reader(n: int) -> RuntimeContext:
+    return RuntimeContext(principal=f"rita-{n % USERS}", tenant="acme",
+                          capabilities=frozenset({"orders:read"}))
 SETTLE_S = 240.0
 
 
@@ -82,11 +92,12 @@ async def test_soak_none_lost_none_stuck_one_send_each(stack: BackendStack) -> N
             operation_id = f"mail-{n:04d}"
             proposal = ToolProposal(
                 proposal_id=f"p-{operation_id}", conversation_id=f"c-{n}",
-                requested_by_user_id="sam", tool_name=EMAIL, operation_id=operation_id,
+                requested_by_user_id=f"sam-{n % USERS}", tool_name=EMAIL,
+                operation_id=operation_id,
                 arguments={"recipient_ids": [f"cus-{1 + n % 500:04d}"],
                            "template": "support_received", "variables": {"ticket_id": f"TCK-{n}"}},
             )
-            reply = await host.propose(proposal, SUPPORT, attempts=5)
+            reply = await host.propose(proposal, _support(n), attempts=5)
             assert reply.decision is not None
             await asyncio.to_thread(
                 ledger.approve, f"h1/{operation_id}", approver="lead",
@@ -97,10 +108,11 @@ async def test_soak_none_lost_none_stuck_one_send_each(stack: BackendStack) -> N
             operation_id = f"read-{n:04d}"
             proposal = ToolProposal(
                 proposal_id=f"p-{operation_id}", conversation_id=f"r-{n}",
-                requested_by_user_id="rita", tool_name=READ, operation_id=operation_id,
+                requested_by_user_id=f"rita-{n % USERS}", tool_name=READ,
+                operation_id=operation_id,
                 arguments={"limit": 5},
             )
-            await host.propose(proposal, READER, attempts=5)
+            await host.propose(proposal, _reader(n), attempts=5)
             if n % 3 == 0:
                 # Before the lease, during attempt 1's backoff, mid-run, or after.
                 await asyncio.sleep(rng.uniform(0.0, 6.0))

@@ -31,6 +31,7 @@ from ledger.nats.security import LEDGER_USERS_END, user_entry
 TOOLS = ("search_documents", "send_customer_email")
 HOSTS = ("h1", "other")
 AUDITORS = ("auditor",)
+OPERATORS = ("ops-lead", "other-op")
 ACK_WAIT_S = 5.0
 MAX_DELIVER = 3
 CALL_TIMEOUT_S = 1.0
@@ -123,7 +124,7 @@ def nats_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsEnv]:
     """A server on a free port with least-privilege users and the topology declared."""
     base: Path = tmp_path_factory.mktemp("nats")
     credentials = generate_credentials(
-        base / "creds", hosts=HOSTS, tools=TOOLS, auditors=AUDITORS
+        base / "creds", hosts=HOSTS, tools=TOOLS, auditors=AUDITORS, operators=OPERATORS
     )
     legacy = generate_credentials(base / "legacy", hosts=(), tools=TOOLS[:1], auditors=AUDITORS)
     twins = "".join(user_entry(i) for i in legacy.identities if i.role is not Role.LEDGER)

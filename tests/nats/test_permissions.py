@@ -400,6 +400,7 @@ def no(role: Role, name: str, what: str, action: Action, violation: str) -> Case
 
 
 EXEC, HOST, AUDITOR, LEDGER = Role.EXECUTOR, Role.HOST, Role.AUDITOR, Role.LEDGER
+OPERATOR = Role.OPERATOR
 
 CASES: list[Case] = [
     # executor of search_documents
@@ -435,6 +436,25 @@ CASES: list[Case] = [
     ok(HOST, "h1", "request-own-proposal", lambda c: request_served(c, Subjects.propose("h1"))),
     ok(HOST, "h1", "request-own-status", lambda c: request_served(c, Subjects.status("h1"))),
     ok(HOST, "h1", "request-own-cancel", lambda c: request_served(c, Subjects.cancel("h1"))),
+    no(HOST, "h1", "operate-as-an-operator",
+       lambda c: request_served(c, Subjects.operate("ops-lead"), check=False),
+       'publish to "ops.operate.ops-lead"'),
+    # operator ops-lead: its own request subject, nothing else
+    ok(OPERATOR, "ops-lead", "request-own-operate",
+       lambda c: request_served(c, Subjects.operate("ops-lead"))),
+    no(OPERATOR, "ops-lead", "operate-as-another-operator",
+       lambda c: request_served(c, Subjects.operate("other-op"), check=False),
+       'publish to "ops.operate.other-op"'),
+    no(OPERATOR, "ops-lead", "propose-as-a-host",
+       lambda c: request_served(c, Subjects.propose("h1"), check=False),
+       'publish to "ops.propose.h1"'),
+    no(OPERATOR, "ops-lead", "lease-as-an-executor",
+       lambda c: request_served(c, Subjects.lease(SEARCH), check=False),
+       f'publish to "{Subjects.lease(SEARCH)}"'),
+    no(OPERATOR, "ops-lead", "subscribe-all-inboxes", subscribe_all_inboxes,
+       'subscription to "_inbox.>"'),
+    no(OPERATOR, "ops-lead", "read-stream-info", lambda c: stream_info(c, FEED_STREAM),
+       'publish to "$js.api.stream.info.ops_feed"'),
     no(HOST, "h1", "cancel-as-another-host",
        lambda c: request_served(c, Subjects.cancel("other"), check=False),
        'publish to "ops.cancel.other"'),
