@@ -486,7 +486,8 @@ class ItemProcessor:
                 ErrorInfo(
                     code=CANCELLED_BEFORE_EFFECT,
                     category=ErrorCategory.POLICY_DENIED,
-                    message="cancelled while running; the tool stopped before any effect",
+                    message="stopped while running (cancelled, or its lease ran out) before any"
+                    " effect",
                 ),
                 reason="cancelled",
             )
@@ -577,19 +578,25 @@ class ItemProcessor:
             except Exception as exc:  # a lost check-in only delays a cancel
                 self._log.debug("check-in for %s failed: %s", attempt.operation_id, exc)
                 continue
-            if reply.decision is not LeaseDecision.CANCEL:
+            if reply.decision is LeaseDecision.DONE:
+                # The lease is no longer ours (it ran out, or the call was settled):
+                # stop before an effect if the tool can, as for a cancel.
+                why = "lost its lease"
+            elif reply.decision is LeaseDecision.CANCEL:
+                why = "cancelled"
+            else:
                 continue
             hook = self.tool.cancel
             if hook is None:
-                self._log.info("%s cancelled while running: too late to stop it",
-                               attempt.operation_id)
+                self._log.info("%s %s while running: too late to stop it",
+                               attempt.operation_id, why)
                 return False
             try:
                 stopped = bool(await _invoke(hook, attempt.operation_id, context))
             except Exception:
                 self._log.exception("cancel hook failed on %s", attempt.operation_id)
                 stopped = False  # not known to have stopped: it runs on
-            self._log.info("%s cancelled while running: %s", attempt.operation_id,
+            self._log.info("%s %s while running: %s", attempt.operation_id, why,
                            "stopped before any effect" if stopped else "too late to stop it")
             return stopped
 

@@ -143,7 +143,10 @@ class RetryPolicy(_Frozen):
 
     def backoff_ms(self, attempt: int) -> int:
         """Delay before attempt number `attempt + 1`, after `attempt` has failed."""
-        delay = self.initial_backoff_ms * self.backoff_multiplier ** max(attempt - 1, 0)
+        try:
+            delay = self.initial_backoff_ms * self.backoff_multiplier ** max(attempt - 1, 0)
+        except OverflowError:
+            return self.max_backoff_ms
         return int(min(delay, self.max_backoff_ms))
 
 
@@ -161,8 +164,11 @@ class ReconcilePolicy(_Frozen):
     max_delay_ms: int = Field(default=60_000, ge=0)
 
     def delay_ms(self, rounds_done: int) -> int:
-        """Delay before reconcile round `rounds_done + 1`."""
-        delay = self.initial_delay_ms * self.backoff_multiplier ** max(rounds_done, 0)
+        """Delay before reconcile round `rounds_done + 1` (never above `max_delay_ms`)."""
+        try:
+            delay = self.initial_delay_ms * self.backoff_multiplier ** max(rounds_done, 0)
+        except OverflowError:
+            return self.max_delay_ms
         return int(min(delay, self.max_delay_ms))
 
 

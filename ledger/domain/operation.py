@@ -76,7 +76,7 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
             S.CANCELLED,
         }
     ),
-    "start_reconciliation": frozenset({S.OUTCOME_UNKNOWN}),
+    "start_reconciliation": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING}),
     "reconcile": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION}),
     "schedule_retry": frozenset({S.FAILED}),
     "request_cancel": frozenset(
@@ -90,6 +90,9 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
             S.SUCCEEDED,
             S.FAILED,
             S.CANCELLED,
+            S.OUTCOME_UNKNOWN,
+            S.RECONCILING,
+            S.NEEDS_RESOLUTION,
         }
     ),
     "confirm_cancelled": frozenset({S.CANCEL_REQUESTED}),
@@ -184,6 +187,7 @@ class Operation(BaseAggregate[str]):
             aggregate.cancel_too_late = False
             aggregate.not_before = None
             aggregate.reconcile_rounds = 0
+            aggregate.lookup_expires_at = None
 
     class Validated(Event):
         """The layered check passed: the call is well-formed, allowed, and its risk known."""
@@ -433,9 +437,12 @@ class Operation(BaseAggregate[str]):
         """Someone is looking the outcome up at the provider."""
 
         by: str
+        lookup_expires_at: datetime | None = None
+        """Until then the lookup is `by`'s alone (None in events stored before)."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.RECONCILING
+            aggregate.lookup_expires_at = self.lookup_expires_at
 
     class Reconciled(Event):
         """The outcome was established after the fact."""
@@ -634,6 +641,8 @@ class Operation(BaseAggregate[str]):
         cancel_requested: bool
         cancel_too_late: bool
         """A cancel came after the effect (`CancelTooLate`): the outcome says what happened."""
+        lookup_expires_at: datetime | None
+        """While reconciling: the running lookup is its executor's alone until then."""
         not_before: datetime | None
         """A scheduled retry, or the next lookup of an unknown outcome, is not leased
         before this time (`RetryScheduled`, `OutcomeUnknown`, `ReconciliationInconclusive`)."""
@@ -991,6 +1000,10 @@ class Operation(BaseAggregate[str]):
             return ResultDisposition.DUPLICATE  # still unknown: the person decides
         if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION):
             if outcome == ResultOutcome.UNKNOWN:
+                if self.state is not S.RECONCILING:
+                    # No lookup is outstanding: a redelivered copy of an earlier
+                    # unknown answer, which must not count as another lookup.
+                    return ResultDisposition.DUPLICATE
                 self._inconclusive(executor, reason, code, reconcile, now)
                 return ResultDisposition.ACCEPTED
             self._reconcile(
@@ -1108,10 +1121,26 @@ class Operation(BaseAggregate[str]):
         )
         return ResultDisposition.CONFLICTING
 
-    def start_reconciliation(self, *, by: str, now: datetime) -> None:
-        """Begin looking the outcome up at the provider."""
+    def start_reconciliation(
+        self, *, by: str, now: datetime, ttl: timedelta | None = None
+    ) -> None:
+        """Begin looking the outcome up at the provider; with `ttl`, the lookup is `by`'s
+        alone until then (another executor is answered busy), and a lookup whose
+        executor vanished may be started again once it ran out."""
         self._guard("start_reconciliation")
-        self._trigger(self.ReconciliationStarted, now, by=by)
+        if self.state is S.RECONCILING and self.lookup_live(now):
+            raise IllegalTransition("a lookup is already running", operation_id=self.id)
+        self._trigger(
+            self.ReconciliationStarted,
+            now,
+            by=by,
+            lookup_expires_at=None if ttl is None else now + ttl,
+        )
+
+    def lookup_live(self, now: datetime) -> bool:
+        """Whether a started lookup still holds (its executor has not run out of time)."""
+        expires = self.lookup_expires_at
+        return self.state is S.RECONCILING and expires is not None and now < expires
 
     def reconcile(
         self,
@@ -1178,6 +1207,8 @@ class Operation(BaseAggregate[str]):
         outcome = self.outcome
         return (
             self.state is S.FAILED
+            # A cancelled call is never run again, whatever its failure allows.
+            and not self.cancel_requested
             and outcome is not None
             and outcome.retryable
             and outcome.category in self.retry_on
@@ -1203,6 +1234,10 @@ class Operation(BaseAggregate[str]):
             return
         running = self.state is S.EXECUTING
         self._trigger(self.CancelRequested, now, by=by, reason=reason)
+        if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION):
+            # The call may have had its effect: only the lookups (or a person) can
+            # say. The cancel stands: a not-applied outcome is never retried.
+            return
         if not running:
             self._trigger(self.Cancelled, now, by=by)
 

@@ -147,6 +147,11 @@ class ReconcilePlan:
     max_delay: timedelta = timedelta(seconds=60)
 
     def delay(self, rounds_done: int) -> timedelta:
-        """How long to wait before lookup round `rounds_done + 1`."""
-        wait = self.initial_delay * self.multiplier ** max(rounds_done, 0)
-        return min(wait, self.max_delay)
+        """How long to wait before lookup round `rounds_done + 1` (capped before it is
+        built: a large multiplier must not overflow a timedelta)."""
+        cap = self.max_delay.total_seconds()
+        try:
+            seconds = self.initial_delay.total_seconds() * self.multiplier ** max(rounds_done, 0)
+        except OverflowError:
+            seconds = cap
+        return timedelta(seconds=min(seconds, cap))

@@ -320,23 +320,30 @@ class OperationsProjector:
         return {operation_id: (tool, version, host) for operation_id, tool, version, host in rows}
 
     def lease_expiry_candidates(self, now: datetime) -> list[str]:
-        """Executing operations whose lease ran out by `now` (or whose expiry the view lacks)."""
+        """Leased operations (executing, or asked to cancel while running) whose lease ran
+        out by `now` (or whose expiry the view lacks)."""
         rows = self._db.query(
-            "SELECT operation_id FROM opledger_operations WHERE state = 'executing'"
+            "SELECT operation_id FROM opledger_operations"
+            " WHERE state IN ('executing', 'cancel_requested')"
             " AND (lease_expires_at IS NULL OR lease_expires_at <= ?)",
             (_iso(now),),
         )
         return [str(row[0]) for row in rows]
 
-    def ready_since_before(self, moment: datetime) -> list[tuple[str, str, str | None, int]]:
-        """Ready operations unchanged since before `moment`: (ID, tool, version, attempts)."""
+    def waiting_since_before(
+        self, moment: datetime
+    ) -> list[tuple[str, str, str | None, int, str]]:
+        """Operations waiting for a work item (ready, or with an outcome to look up)
+        unchanged since before `moment`: (ID, tool, version, attempts, state)."""
         rows = self._db.query(
-            "SELECT operation_id, tool, tool_version, attempts FROM opledger_operations"
-            " WHERE state = 'ready' AND updated_at <= ? ORDER BY updated_at",
+            "SELECT operation_id, tool, tool_version, attempts, state FROM opledger_operations"
+            " WHERE state IN ('ready', 'outcome_unknown', 'reconciling') AND updated_at <= ?"
+            " ORDER BY updated_at",
             (_iso(moment),),
         )
         return [
-            (str(r[0]), str(r[1]), None if r[2] is None else str(r[2]), int(r[3])) for r in rows
+            (str(r[0]), str(r[1]), None if r[2] is None else str(r[2]), int(r[3]), str(r[4]))
+            for r in rows
         ]
 
     def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:

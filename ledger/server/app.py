@@ -365,7 +365,9 @@ class LedgerService:
         self.relay.start()
         if self.options.redispatch_after is not None:
             self._redispatcher = Redispatcher(
-                self.ledger.projector.ready_since_before, js, after=self.options.redispatch_after
+                self.ledger.projector.waiting_since_before,
+                js,
+                after=self.options.redispatch_after,
             )
         await self.broker.start()
         await self._serve_requests(nc)

@@ -1,4 +1,4 @@
-"""Redispatch: work items again for operations left ready with nothing queued for them.
+"""Redispatch: work items again for operations left waiting with nothing queued for them.
 
 The relay publishes one work item per attempt, and JetStream keeps it until
 an executor acknowledges it. If the work stream loses it anyway (a purged or
@@ -6,7 +6,10 @@ rebuilt stream, lost storage, a move to another server or account), nothing
 would dispatch that attempt again, and the operation would stay ready for
 good. So every sweep looks for operations ready for longer than `after`
 whose tool's consumer has nothing waiting and nothing in flight, and
-publishes their work item again.
+publishes their work item again. The same holds for an operation whose
+outcome is unknown (or whose lookup's executor vanished): its lookup item can
+be lost the same ways, or run out of deliveries while it waits for a long
+backoff, and it gets a lookup item again.
 
 While a tool's executors are down, its items wait in the stream: the
 consumer is not empty, and nothing is republished. A copy that does go out
@@ -23,15 +26,16 @@ from datetime import UTC, datetime, timedelta
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from schemas import WORK_STREAM, Subjects, WorkItem, work_consumer, work_message_id
+from schemas import WORK_STREAM, Subjects, WorkItem, WorkPurpose, work_consumer, work_message_id
 
-__all__ = ["ReadySince", "Redispatcher"]
+__all__ = ["Redispatcher", "WaitingSince"]
 
 _log = logging.getLogger(__name__)
 
-ReadySince = Callable[[datetime], Sequence[tuple[str, str, str | None, int]]]
-"""moment → the operations ready and unchanged since before it: (ID, tool, tool version,
-attempts). The operations view answers it (`OperationsProjector.ready_since_before`)."""
+WaitingSince = Callable[[datetime], Sequence[tuple[str, str, str | None, int, str]]]
+"""moment → the operations waiting for a work item and unchanged since before it: (ID,
+tool, tool version, attempts, state). The operations view answers it
+(`OperationsProjector.waiting_since_before`)."""
 
 
 class Redispatcher:
@@ -39,7 +43,7 @@ class Redispatcher:
 
     def __init__(
         self,
-        ready_since_before: ReadySince,
+        waiting_since_before: WaitingSince,
         js: JetStreamContext,
         *,
         after: timedelta,
@@ -47,7 +51,7 @@ class Redispatcher:
     ) -> None:
         if after <= timedelta(0):
             raise ValueError("after must be positive")
-        self._ready_since_before = ready_since_before
+        self._waiting_since_before = waiting_since_before
         self._js = js
         self._after = after
         self._clock = clock
@@ -55,9 +59,10 @@ class Redispatcher:
     async def sweep(self) -> list[str]:
         """Redispatch what is stranded now; the operation IDs it published again."""
         now = self._clock()
-        stranded: dict[str, list[tuple[str, str | None, int]]] = {}
-        for operation_id, tool, version, attempts in self._ready_since_before(now - self._after):
-            stranded.setdefault(tool, []).append((operation_id, version, attempts))
+        stranded: dict[str, list[tuple[str, str | None, int, str]]] = {}
+        waiting = self._waiting_since_before(now - self._after)
+        for operation_id, tool, version, attempts, state in waiting:
+            stranded.setdefault(tool, []).append((operation_id, version, attempts, state))
         # One ID per period: instances sweeping at once send one copy, not one each.
         period = int(now.timestamp() // self._after.total_seconds())
         published: list[str] = []
@@ -68,15 +73,25 @@ class Redispatcher:
                 continue  # a tool this deployment serves no executors for
             if info.num_pending or info.num_ack_pending:
                 continue  # items are queued or in flight: executors are slow or down
-            for operation_id, version, attempts in operations:
+            for operation_id, version, attempts, state in operations:
                 if version is None:
                     continue
-                attempt = attempts + 1  # the attempt its next lease will be
-                item = WorkItem(
-                    operation_id=operation_id, tool=tool, tool_version=version, attempt=attempt
-                )
+                if state == "ready":
+                    attempt = attempts + 1  # the attempt its next lease will be
+                    item = WorkItem(
+                        operation_id=operation_id, tool=tool, tool_version=version,
+                        attempt=attempt,
+                    )
+                else:
+                    # A lookup of the attempt whose outcome is unknown; the lease
+                    # answers busy until it is due.
+                    attempt = max(attempts, 1)
+                    item = WorkItem(
+                        operation_id=operation_id, tool=tool, tool_version=version,
+                        attempt=attempt, purpose=WorkPurpose.RECONCILE,
+                    )
                 # Not the relay's ID: that one may still be in the duplicate window.
-                again = f"{work_message_id(operation_id, attempt)}:again-{period}"
+                again = f"{work_message_id(operation_id, attempt)}:again-{state}-{period}"
                 await self._js.publish(
                     Subjects.work(tool),
                     item.model_dump_json().encode(),

@@ -108,6 +108,7 @@ class Leasing:
         timeout_ms = (
             contract.timeout_ms if contract else int(self._lease_grace.total_seconds() * 1000)
         )
+        lookup_ttl = timedelta(milliseconds=timeout_ms) + self._lease_grace
         if state is OperationState.READY:
             # Checked again now, not only at the proposal: the approval's window
             # and the contract in force (seed 001's permission_changed).
@@ -164,7 +165,19 @@ class Leasing:
                 # The next lookup's time has not come (a hung call may still land,
                 # or the last lookup was inconclusive): back then, not spinning.
                 return _busy_until(operation, operation.not_before, "look the outcome up")
-            operation.start_reconciliation(by=executor, now=now)
+            operation.start_reconciliation(by=executor, now=now, ttl=lookup_ttl)
+        elif operation.state is OperationState.RECONCILING:
+            if operation.lookup_live(now):
+                # One lookup at a time: a second executor (a redelivered item beside
+                # the lookup item) waits, so that one lookup counts as one round.
+                return LeaseReply(
+                    decision=LeaseDecision.BUSY,
+                    operation_id=operation.id,
+                    lease_expires_at=operation.lookup_expires_at,
+                    reason=f"being looked up until {operation.lookup_expires_at}",
+                )
+            # The last lookup's executor ran out of time without an answer: again.
+            operation.start_reconciliation(by=executor, now=now, ttl=lookup_ttl)
         if operation.state is OperationState.RECONCILING:
             return _lease_reply(
                 LeaseDecision.RECONCILE, operation, operation.fencing_token, timeout_ms

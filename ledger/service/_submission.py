@@ -282,6 +282,26 @@ class Submissions:
         host: str,
         repaired: dict[str, Operation] | None = None,
     ) -> tuple[Operation, Decision]:
+        pending_repair: list[Operation] = []
+        operation, decision = self._build_operation(
+            operation_id, proposal, context, print_, host, repaired, pending_repair
+        )
+        for target in pending_repair:
+            assert repaired is not None
+            target.note_repair(by=operation_id, now=self._clock())
+            repaired[target.id] = target
+        return operation, decision
+
+    def _build_operation(
+        self,
+        operation_id: str,
+        proposal: ToolProposal,
+        context: RuntimeContext,
+        print_: str,
+        host: str,
+        repaired: dict[str, Operation] | None,
+        pending_repair: list[Operation],
+    ) -> tuple[Operation, Decision]:
         now = self._clock()
         target, depth, refusal = self._repair_link(proposal, host, operation_id, repaired)
         # The ledger's own count, never the host's: `repair_attempt` is what the
@@ -339,8 +359,9 @@ class Submissions:
             repair_depth=depth if target is not None else 0,
         )
         if target is not None and repaired is not None:
-            target.note_repair(by=operation_id, now=now)
-            repaired[target.id] = target
+            # Noted once the repairing operation is built (below): a proposal that
+            # fails on the way must not leave its target "repaired" by nothing.
+            pending_repair.append(target)
         if decision.outcome is DecisionOutcome.NEEDS_CLARIFICATION:
             operation.ask_clarification(
                 question=decision.question or "",

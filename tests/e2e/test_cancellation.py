@@ -16,7 +16,7 @@ import pytest
 
 from ledger.client import AgentHostClient, RequestRefused
 from ledger.nats import connect_as
-from schemas import RuntimeContext, ToolProposal
+from schemas import WORK_STREAM, RuntimeContext, ToolProposal, work_consumer
 from tests.e2e.conftest import BackendStack, backend_stack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -73,7 +73,20 @@ async def test_a_cancel_before_the_lease_is_final_and_nothing_runs(
     assert (await host.outcome("op-early", timeout=10)).state == "cancelled"
     # The executor that comes later gets the item, and the lease says done.
     stack.start_executor(TOOL, "--progress-every", str(PROGRESS_S))
-    await asyncio.sleep(3)
+    # Wait until the executor took the item and settled it (nothing pending or in
+    # flight), so that "never leased" is not just "not yet looked at".
+    ledger_nc = await connect_as(stack.server.url, stack.credentials.ledger)
+    try:
+        for _ in range(200):
+            info = await ledger_nc.jetstream().consumer_info(WORK_STREAM, work_consumer(TOOL))
+            if info.delivered.consumer_seq >= 1 and not info.num_pending \
+                    and not info.num_ack_pending:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the executor never settled the item: {info}")
+    finally:
+        await ledger_nc.close()
     assert "LeaseClaimed" not in _kinds(stack, "h1/op-early")
     again = await host.cancel("op-early")  # asking again converges
     assert again.state == "cancelled" and _kinds(stack, "h1/op-early").count("Cancelled") == 1

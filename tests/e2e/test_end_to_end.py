@@ -390,3 +390,37 @@ async def test_after_nats_crashes_and_restarts_operations_flow_again(stack: Stac
         await host.close()
     assert status.state == "succeeded", stack.log("service.log")
     assert took < 8, f"{took:.1f} s: pulling resumed only when heartbeats were missed"
+
+
+async def test_a_lost_lookup_item_is_published_again(stack: Stack) -> None:
+    """Found in review: only ready operations were redispatched, so an unknown outcome
+    whose lookup item was lost (or ran out of deliveries) waited for good."""
+    host = await _host(stack)
+    ledger_nc = await connect_as(stack.server.url, stack.credentials.ledger)
+    executor = await connect_as(stack.server.url, stack.credentials.executor("search_documents"))
+    js = ledger_nc.jetstream()
+    subject = Subjects.work("search_documents")
+    try:
+        await host.propose(_proposal("search_documents", {"query": "refunds"}, "op-lookup"),
+                           ALICE)
+        request = LeaseRequest(operation_id="h1/op-lookup", executor="vanishing-executor")
+        await executor.request(Subjects.lease("search_documents"),
+                               request.model_dump_json().encode(), timeout=10)
+        for _ in range(100):  # the lease runs out, is swept, and a lookup item is queued
+            if (await host.status("op-lookup")).state == "outcome_unknown":
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1)
+        await js.purge_stream(WORK_STREAM, subject=subject)  # the item and the lookup: lost
+        stack.start_executor("search_documents")
+        status = await host.outcome("op-lookup", timeout=60)
+    finally:
+        await executor.close()
+        await ledger_nc.close()
+        await host.close()
+    log = stack.log("service.log")
+    assert "published again: h1/op-lookup" in log, log
+    history = [type(e).__name__ for e in stack.ledger().history("h1/op-lookup")]
+    # Looked up (a read changed nothing: not applied), then retried once and run.
+    assert "Reconciled" in history and status.state == "succeeded", history
+    assert status.attempts == 2

@@ -118,9 +118,11 @@ async def test_an_operator_settles_it_over_nats_with_its_own_identity(
         )
         assert (await host.propose(proposal, ALICE)).state == "ready"
         # Not unknown yet: refused, with the error envelope, nothing appended.
+        before = len(stack.ledger().history("h1/op-op"))
         with pytest.raises(RequestRefused) as refused:
             await operator.resolve("h1/op-op", applied=True, reason="too early")
         assert refused.value.code == "ILLEGAL_TRANSITION"
+        assert len(stack.ledger().history("h1/op-op")) == before
         request = LeaseRequest(operation_id="h1/op-op", executor="vanishing-executor")
         await executor.request(Subjects.lease(TOOL), request.model_dump_json().encode(),
                                timeout=10)

@@ -92,3 +92,20 @@ def test_no_cancel_means_the_call_just_runs() -> None:
     assert disposition.envelope is not None and disposition.envelope.ok
     assert ran == ["finished"]
     assert len([r for r in ledger.requests if r.holding is not None]) >= 5  # it checked in
+
+
+def test_a_lease_lost_while_running_stops_a_tool_that_can_stop() -> None:
+    """Found in review: a `done` check-in (the lease ran out, or the call was settled)
+    was ignored, and the call ran on to an effect the ledger no longer expected."""
+    ran: list[str] = []
+
+    def answer(request: LeaseRequest) -> LeaseReply:
+        if request.holding is None:
+            return reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS, fencing_token=4)
+        return reply(LeaseDecision.DONE, "op-1", TOOL)
+
+    disposition = process(_processor(_slow(True, ran)), work_item("op-1", TOOL),
+                          FakeLedger(answer))
+    assert disposition.envelope is not None and disposition.envelope.error is not None
+    assert disposition.envelope.error.code == CANCELLED_BEFORE_EFFECT
+    assert ran == ["cancel hook for op-1"]

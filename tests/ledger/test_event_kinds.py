@@ -88,7 +88,7 @@ def test_the_registry_states_agree_with_the_aggregate_for_every_event() -> None:
                 f"{kind.name} from {before} to {replayed.state}: settles={kind.settles}"
             )
             # Dispatching means: it just became ready, so an attempt's work item goes
-            # out; or it set the outcome unknown (again), so a lookup's does.
+            # out; or its outcome just became unknown (again), so a lookup's does.
             became_ready = replayed.state is OperationState.READY and before is not (
                 OperationState.READY
             )
@@ -96,7 +96,8 @@ def test_the_registry_states_agree_with_the_aggregate_for_every_event() -> None:
                 WorkPurpose.EXECUTE
                 if became_ready
                 else WorkPurpose.RECONCILE
-                if replayed.state is OperationState.OUTCOME_UNKNOWN and kind.state is not None
+                if replayed.state is OperationState.OUTCOME_UNKNOWN
+                and before is not OperationState.OUTCOME_UNKNOWN
                 else None
             )
             assert kind.dispatches is expected, (

@@ -209,10 +209,10 @@ def test_the_view_names_operations_left_ready(ledger: Ledger) -> None:
     ledger.refresh()
     now = datetime.now(UTC)
     version = ledger.get("s-ready").tool_version
-    assert ledger.projector.ready_since_before(now + timedelta(seconds=1)) == [
-        ("s-ready", "search_documents", version, 0)
+    assert ledger.projector.waiting_since_before(now + timedelta(seconds=1)) == [
+        ("s-ready", "search_documents", version, 0, "ready")
     ]
-    assert ledger.projector.ready_since_before(now - timedelta(hours=1)) == []
+    assert ledger.projector.waiting_since_before(now - timedelta(hours=1)) == []
 
 
 def test_fencing_retry_and_stale_results(storage: StorageConfig) -> None:

@@ -152,3 +152,82 @@ def test_the_service_counts_lookups_and_the_operations_that_need_a_person() -> N
     labels = {"tool": "send_customer_email"}
     assert sample("tool_reconciliation_lookups_total", labels) == 2
     assert sample("tool_operations_needing_resolution_total", labels) == 1
+
+
+TRANSIENT = {"code": "UPSTREAM_TIMEOUT", "category": "TRANSIENT", "message": "try again",
+             "retryable": True}
+NOT_APPLIED = {"code": "NOT_APPLIED", "category": "TRANSIENT", "retryable": True,
+               "message": "the provider has no record of it"}
+
+
+def test_a_cancelled_call_is_never_retried(ledger: Ledger, clock: Clock) -> None:
+    """Found in review: a cancel, then a retryable failure, scheduled a retry that ran."""
+    ledger.submit(search("op-c1"), ALICE)
+    token = ledger.lease("op-c1", executor="exec-1").fencing_token
+    ledger.cancel("op-c1", by="host:h1")
+    ledger.record_result(result("op-c1", token, ok=False, error=TRANSIENT))
+    status = ledger.status("op-c1")
+    assert (status.state, status.final) == ("failed", True)
+    assert "RetryScheduled" not in event_types(ledger, "op-c1")
+    clock.now += timedelta(minutes=5)
+    assert ledger.lease("op-c1", executor="exec-2").decision is LeaseDecision.DONE
+
+
+def test_a_cancel_while_the_outcome_is_unknown_stands_and_nothing_is_retried(
+    ledger: Ledger, clock: Clock
+) -> None:
+    token = _unknown(ledger, "op-c2")
+    ledger.cancel("op-c2", by="host:h1")  # noted; the lookups go on
+    assert ledger.get("op-c2").state.value == "outcome_unknown"
+    clock.now += timedelta(minutes=1)
+    assert ledger.lease("op-c2", executor="exec-2").decision is LeaseDecision.RECONCILE
+    ledger.record_result(result("op-c2", token, ok=False, error=NOT_APPLIED, executor="exec-2"))
+    assert ledger.status("op-c2").state == "failed"
+    assert "RetryScheduled" not in event_types(ledger, "op-c2")
+
+
+def test_one_lookup_at_a_time_and_a_repeated_answer_is_one_round(
+    ledger: Ledger, clock: Clock
+) -> None:
+    """Found in review: two executors looked up at once (a redelivered item beside the
+    lookup item), and a redelivered unknown answer counted as another lookup."""
+    token = _unknown(ledger, "op-one")
+    again = result("op-one", token, ok=False, error=UNKNOWN)
+    for _ in range(5):  # the first report, redelivered: no lookup was outstanding
+        ledger.record_result(again.model_copy(update={"outcome_unknown": True}))
+    assert (ledger.get("op-one").state.value, ledger.get("op-one").reconcile_rounds) == (
+        "outcome_unknown", 0
+    )
+    clock.now += timedelta(minutes=1)
+    assert ledger.lease("op-one", executor="exec-2").decision is LeaseDecision.RECONCILE
+    busy = ledger.lease("op-one", executor="exec-3")
+    assert busy.decision is LeaseDecision.BUSY and busy.lease_expires_at is not None
+    _lookup(ledger, "op-one", token, INCONCLUSIVE)
+    _lookup(ledger, "op-one", token, INCONCLUSIVE)  # the same answer again
+    assert ledger.get("op-one").reconcile_rounds == 1
+    # A lookup whose executor vanished is started again once it ran out.
+    clock.now = (ledger.get("op-one").not_before or clock.now) + timedelta(seconds=1)
+    assert ledger.lease("op-one", executor="exec-2").decision is LeaseDecision.RECONCILE
+    clock.now += timedelta(hours=1)
+    assert ledger.lease("op-one", executor="exec-4").decision is LeaseDecision.RECONCILE
+
+
+def test_a_steep_policy_never_overflows() -> None:
+    """Found in review: 10**19 times a second overflowed a timedelta."""
+    plan = ReconcilePlan(max_rounds=20, multiplier=10.0)
+    assert plan.delay(19) == plan.max_delay
+    assert plan.delay(400) == plan.max_delay
+    policy = ReconcilePolicy(max_rounds=20, backoff_multiplier=1e300)
+    assert policy.delay_ms(5) == policy.max_delay_ms
+
+
+def test_a_lease_that_ran_out_while_a_cancel_waited_is_swept(
+    ledger: Ledger, clock: Clock
+) -> None:
+    """Found in review: the sweep looked only at `executing`; `cancel_requested` stayed."""
+    ledger.submit(search("op-sw"), ALICE)
+    ledger.lease("op-sw", executor="exec-1")
+    ledger.cancel("op-sw", by="host:h1")
+    clock.now += timedelta(hours=1)
+    assert ledger.expire_leases() == ["op-sw"]
+    assert ledger.get("op-sw").state.value == "outcome_unknown"

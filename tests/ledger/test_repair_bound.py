@@ -98,3 +98,35 @@ def test_the_same_repair_sent_twice_converges(ledger: Ledger) -> None:
     again = _submit(ledger, "op-1", BAD, repairs="op-0")
     assert first.created and not again.created
     assert event_types(ledger, "h1/op-0").count("RepairProposed") == 1
+
+
+def test_a_repair_that_fails_to_be_stored_leaves_its_target_repairable(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the target was noted repaired before the repair was built, so a
+    repair that then failed blocked every later one."""
+    import ledger.service._submission as submission
+
+    bad_mail = proposal("send_customer_email", {"recipient_ids": ["cus-0001"],
+                                                "template": "no-such-template"},
+                        operation_id="m-0")
+    ledger.submit(bad_mail, ALICE, host="h1")
+    good_mail = proposal("send_customer_email", {"recipient_ids": ["cus-0001"],
+                                                 "template": "support_received",
+                                                 "variables": {"ticket_id": "TCK-1"}},
+                         operation_id="m-1", repairs="m-0")
+
+    def broken(*_args: Any) -> Any:
+        raise RuntimeError("the effect preview broke")
+
+    monkeypatch.setattr(submission, "effect_preview", broken)
+    answers = ledger.submissions.submit_many(
+        [(good_mail, ALICE, "h1"), (proposal("search_documents", GOOD, operation_id="s-1"),
+                                    ALICE, "h1")]
+    )
+    assert [type(a).__name__ for a in answers] == ["InvalidProposal", "Submission"]
+    assert "RepairProposed" not in event_types(ledger, "h1/m-0")
+    monkeypatch.undo()
+    again = ledger.submit(good_mail, ALICE, host="h1")
+    assert again.decision is not None and again.decision.outcome.value == "needs_approval"
+    assert event_types(ledger, "h1/m-0")[-1] == "RepairProposed"

@@ -247,6 +247,13 @@ EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.FAILED, "request_cancel"): S.FAILED,  # CancelTooLate
     (S.OUTCOME_UNKNOWN, "record_result"): S.SUCCEEDED,  # the late report settles it
     (S.OUTCOME_UNKNOWN, "start_reconciliation"): S.RECONCILING,
+    # A lookup whose executor ran out of time is started again (the builder's has no ttl).
+    (S.RECONCILING, "start_reconciliation"): S.RECONCILING,
+    # A cancel while the outcome is unknown is noted; the lookups go on, and a
+    # not-applied outcome is then never retried.
+    (S.OUTCOME_UNKNOWN, "request_cancel"): S.OUTCOME_UNKNOWN,
+    (S.RECONCILING, "request_cancel"): S.RECONCILING,
+    (S.NEEDS_RESOLUTION, "request_cancel"): S.NEEDS_RESOLUTION,
     (S.OUTCOME_UNKNOWN, "reconcile"): S.SUCCEEDED,
     (S.RECONCILING, "record_result"): S.SUCCEEDED,
     (S.RECONCILING, "reconcile"): S.SUCCEEDED,
