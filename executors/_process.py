@@ -185,6 +185,8 @@ class _Attempt:
     """`time.monotonic()` when the lease was granted."""
     lease_expires_at: datetime | None = None
     """When the ledger's lease runs out (None for a lookup: it holds no lease)."""
+    lookup: int | None = None
+    """For a lookup: which one (from the lease), named in its answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +350,7 @@ class ItemProcessor:
             reply.fencing_token,
             time.monotonic(),
             reply.lease_expires_at,
+            reply.lookup if reply.decision is LeaseDecision.RECONCILE else None,
         )
         mismatch = self._lease_mismatch(reply)
         if mismatch:
@@ -896,6 +899,7 @@ class ItemProcessor:
                 completed_at=self._clock(),
                 trust=TrustLabel.UNTRUSTED,
             ),
+            lookup=attempt.lookup,
             redactions=redactions,
         )
 

@@ -127,6 +127,12 @@ class LeaseReply(WireModel):
         description="With busy: a scheduled retry may not run before this time; ask again then.",
     )
     reason: str = ""
+    lookup: int | None = Field(
+        default=None,
+        ge=1,
+        description="With reconcile: which lookup of the attempt's unknown outcome this is;"
+        " the executor names it in its answer (`ResultEnvelope.lookup`).",
+    )
     context: RuntimeContext | None = Field(
         default=None,
         description="With execute and reconcile: who the call runs for, from the ledger's"

@@ -70,6 +70,12 @@ class ResultEnvelope(WireModel):
         default=False, description="The side effect may or may not have happened."
     )
     provenance: Provenance
+    lookup: int | None = Field(
+        default=None,
+        ge=1,
+        description="For the answer of a lookup (a `reconcile` lease): which lookup of the"
+        " attempt's unknown outcome it answers, as the lease named it.",
+    )
     redactions: tuple[str, ...] = Field(
         default=(), description="JSON pointers of fields that were redacted or truncated."
     )

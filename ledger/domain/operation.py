@@ -971,13 +971,15 @@ class Operation(BaseAggregate[str]):
         reason: str = "",
         envelope_hash: str = "",
         reconcile: ReconcilePlan = _DEFAULT_PLAN,
+        lookup: int | None = None,
     ) -> ResultDisposition:
         """Take an executor's report; duplicates converge, stale and late ones are only noted.
 
         `envelope_hash` binds the envelope kept under `result_ref` to the event
         that settles the outcome (Succeeded, Failed or Reconciled). `reconcile`
         (from the pinned contract) says when an unknown outcome is looked up
-        and after how many inconclusive lookups a person must settle it.
+        and after how many inconclusive lookups a person must settle it;
+        `lookup` is the lookup an answer names (None: an executor that names none).
         """
         self._guard("record_result")
         # Events store the plain value (their bytes are hashed), never the enum.
@@ -1000,9 +1002,11 @@ class Operation(BaseAggregate[str]):
             return ResultDisposition.DUPLICATE  # still unknown: the person decides
         if self.state in (S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION):
             if outcome == ResultOutcome.UNKNOWN:
-                if self.state is not S.RECONCILING:
-                    # No lookup is outstanding: a redelivered copy of an earlier
-                    # unknown answer, which must not count as another lookup.
+                if self.state is not S.RECONCILING or (
+                    lookup is not None and lookup != self.reconcile_rounds + 1
+                ):
+                    # No lookup is outstanding, or this answers an earlier one: a
+                    # redelivered copy, which must not count as another lookup.
                     return ResultDisposition.DUPLICATE
                 self._inconclusive(executor, reason, code, reconcile, now)
                 return ResultDisposition.ACCEPTED

@@ -179,9 +179,10 @@ class Leasing:
             # The last lookup's executor ran out of time without an answer: again.
             operation.start_reconciliation(by=executor, now=now, ttl=lookup_ttl)
         if operation.state is OperationState.RECONCILING:
-            return _lease_reply(
+            reply = _lease_reply(
                 LeaseDecision.RECONCILE, operation, operation.fencing_token, timeout_ms
             )
+            return reply.model_copy(update={"lookup": operation.reconcile_rounds + 1})
         return _done(operation)
 
 

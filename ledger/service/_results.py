@@ -129,6 +129,7 @@ class ResultRecording:
             reason=reason,
             envelope_hash=envelope_hash,
             reconcile=reconcile_plan(contract),
+            lookup=envelope.lookup,
         )
         if disposition is ResultDisposition.ACCEPTED:
             # Kept only where a settling event names it (not for an unknown

@@ -109,3 +109,19 @@ def test_a_lease_lost_while_running_stops_a_tool_that_can_stop() -> None:
     assert disposition.envelope is not None and disposition.envelope.error is not None
     assert disposition.envelope.error.code == CANCELLED_BEFORE_EFFECT
     assert ran == ["cancel hook for op-1"]
+
+
+def test_a_lookups_answer_names_the_lookup_the_lease_named() -> None:
+    from executors import Reconciliation
+
+    implementation = Tool(name=TOOL, run=lambda _a, _c: OUT)
+
+    @implementation.reconciler
+    def _unsure(_operation_id: str, _context: ToolContext) -> Reconciliation:
+        return Reconciliation.unknown("the provider cannot tell yet")
+
+    lease = reply(LeaseDecision.RECONCILE, "op-1", TOOL, fencing_token=4)
+    lease = lease.model_copy(update={"lookup": 3})
+    disposition = process(_processor(implementation), work_item("op-1", TOOL), FakeLedger(lease))
+    assert disposition.envelope is not None
+    assert (disposition.envelope.outcome_unknown, disposition.envelope.lookup) == (True, 3)

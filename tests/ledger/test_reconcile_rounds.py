@@ -231,3 +231,26 @@ def test_a_lease_that_ran_out_while_a_cancel_waited_is_swept(
     clock.now += timedelta(hours=1)
     assert ledger.expire_leases() == ["op-sw"]
     assert ledger.get("op-sw").state.value == "outcome_unknown"
+
+
+def test_an_earlier_lookups_answer_arriving_late_is_not_a_round(
+    ledger: Ledger, clock: Clock
+) -> None:
+    """The lease names each lookup and the answer carries it back: a late copy of
+    lookup 1's inconclusive answer, during lookup 2, does not count as lookup 2."""
+    token = _unknown(ledger, "op-late")
+    clock.now += timedelta(minutes=1)
+    first = ledger.lease("op-late", executor="exec-2")
+    assert (first.decision, first.lookup) == (LeaseDecision.RECONCILE, 1)
+    answer = result("op-late", token, ok=False, error=INCONCLUSIVE, executor="exec-2")
+    answer = answer.model_copy(update={"outcome_unknown": True, "lookup": 1})
+    ledger.record_result(answer)
+    clock.now = (ledger.get("op-late").not_before or clock.now) + timedelta(seconds=1)
+    second = ledger.lease("op-late", executor="exec-3")
+    assert (second.decision, second.lookup) == (LeaseDecision.RECONCILE, 2)
+    ledger.record_result(answer)  # lookup 1's answer again, late
+    assert (ledger.get("op-late").state.value, ledger.get("op-late").reconcile_rounds) == (
+        "reconciling", 1
+    )
+    ledger.record_result(answer.model_copy(update={"lookup": 2}))
+    assert ledger.get("op-late").reconcile_rounds == 2
