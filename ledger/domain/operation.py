@@ -184,6 +184,7 @@ class Operation(BaseAggregate[str]):
             aggregate.leases = ()
             aggregate.outcome = None
             aggregate.cancel_requested = False
+            aggregate.cancel_requested_by = ""
             aggregate.cancel_too_late = False
             aggregate.not_before = None
             aggregate.reconcile_rounds = 0
@@ -563,6 +564,7 @@ class Operation(BaseAggregate[str]):
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.cancel_requested = True
+            aggregate.cancel_requested_by = self.by
             if aggregate.state in (S.EXECUTING,):
                 aggregate.state = S.CANCEL_REQUESTED
 
@@ -639,6 +641,8 @@ class Operation(BaseAggregate[str]):
         leases: tuple[Lease, ...]
         outcome: Outcome | None
         cancel_requested: bool
+        cancel_requested_by: str
+        """Who asked to cancel (`CancelRequested.by`), "" if nobody did."""
         cancel_too_late: bool
         """A cancel came after the effect (`CancelTooLate`): the outcome says what happened."""
         lookup_expires_at: datetime | None
@@ -1055,6 +1059,7 @@ class Operation(BaseAggregate[str]):
                 result_ref=result_ref,
                 envelope_hash=envelope_hash,
             )
+            self._cancel_instead_of_retry(now)
         else:
             self._trigger(
                 self.OutcomeUnknown,
@@ -1204,19 +1209,32 @@ class Operation(BaseAggregate[str]):
             envelope_hash=envelope_hash,
             reason=reason[:500],
         )
+        self._cancel_instead_of_retry(now)
+
+    def _cancel_instead_of_retry(self, now: datetime) -> None:
+        """A failure (or a not-applied lookup) that the retry policy would run again,
+        under a cancel request: the cancel is why it ends, so it ends `cancelled`.
+        A failure that would have been final anyway stays `failed`."""
+        if self.state is S.FAILED and self.cancel_requested and self._retry_allowed():
+            self._trigger(self.Cancelled, now, by=self.cancel_requested_by or "cancel")
+
+    def _retry_allowed(self) -> bool:
+        outcome = self.outcome
+        return (
+            outcome is not None
+            and outcome.retryable
+            and outcome.category in self.retry_on
+            and self.attempt < self.max_attempts
+        )
 
     @property
     def can_retry(self) -> bool:
         """Whether a failed attempt may be retried under the contract's retry policy."""
-        outcome = self.outcome
         return (
             self.state is S.FAILED
             # A cancelled call is never run again, whatever its failure allows.
             and not self.cancel_requested
-            and outcome is not None
-            and outcome.retryable
-            and outcome.category in self.retry_on
-            and self.attempt < self.max_attempts
+            and self._retry_allowed()
         )
 
     def schedule_retry(self, *, not_before: datetime, now: datetime) -> None:

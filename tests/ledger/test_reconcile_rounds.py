@@ -167,7 +167,11 @@ def test_a_cancelled_call_is_never_retried(ledger: Ledger, clock: Clock) -> None
     ledger.cancel("op-c1", by="host:h1")
     ledger.record_result(result("op-c1", token, ok=False, error=TRANSIENT))
     status = ledger.status("op-c1")
-    assert (status.state, status.final) == ("failed", True)
+    # The failure would have been retried: the cancel is why it ends, so it ends cancelled
+    # (the attempt's failure stays in the history).
+    assert (status.state, status.final) == ("cancelled", True)
+    assert status.outcome == {"status": "cancelled", "by": "host:h1"}
+    assert event_types(ledger, "op-c1")[-2:] == ["Failed", "Cancelled"]
     assert "RetryScheduled" not in event_types(ledger, "op-c1")
     clock.now += timedelta(minutes=5)
     assert ledger.lease("op-c1", executor="exec-2").decision is LeaseDecision.DONE
@@ -182,7 +186,7 @@ def test_a_cancel_while_the_outcome_is_unknown_stands_and_nothing_is_retried(
     clock.now += timedelta(minutes=1)
     assert ledger.lease("op-c2", executor="exec-2").decision is LeaseDecision.RECONCILE
     ledger.record_result(result("op-c2", token, ok=False, error=NOT_APPLIED, executor="exec-2"))
-    assert ledger.status("op-c2").state == "failed"
+    assert ledger.status("op-c2").state == "cancelled"  # not applied, and not to be retried
     assert "RetryScheduled" not in event_types(ledger, "op-c2")
 
 
