@@ -158,22 +158,30 @@ async def test_two_ledger_services_on_one_postgres_neither_double_dispatch_nor_r
         drop_schema(storage)
 
 
-async def test_three_node_cluster_keeps_working_with_a_node_down(tmp_path: Path) -> None:
-    credentials = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[TOOL])
+def _cluster_nodes(home: Path, authorization: str) -> list[NatsServer]:
+    """Three nats-servers n0, n1, n2 routed to each other (not started)."""
     cluster_ports = [free_port() for _ in range(3)]
     routes = tuple(f"nats-route://127.0.0.1:{port}" for port in cluster_ports)
-    nodes = [
-        NatsServer(tmp_path / f"n{i}", server_name=f"n{i}",
-                   authorization=credentials.authorization_config,
+    return [
+        NatsServer(home / f"n{i}", server_name=f"n{i}", authorization=authorization,
                    cluster=ClusterOptions(name="opledger", port=port, routes=routes))
         for i, port in enumerate(cluster_ports)
     ]
+
+
+def _start_all(nodes: list[NatsServer]) -> None:
+    for node in nodes:
+        node.start()
+    for node in nodes:
+        node.wait_healthy(timeout_s=20)
+
+
+async def test_three_node_cluster_keeps_working_with_a_node_down(tmp_path: Path) -> None:
+    credentials = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[TOOL])
+    nodes = _cluster_nodes(tmp_path, credentials.authorization_config)
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        for node in nodes:
-            node.start()
-        for node in nodes:
-            node.wait_healthy(timeout_s=20)
+        _start_all(nodes)
         urls = ",".join(node.url for node in nodes)
         processes.append(_service(tmp_path, "ledger", database=str(tmp_path / "ledger.db"),
                                   schema="", url=urls, seed=credentials.ledger.seed_path,
@@ -227,20 +235,10 @@ async def test_no_result_is_dropped_while_the_results_stream_elects_a_new_leader
     """
     COUNT = 400  # noqa: N806 - a constant of this test
     credentials = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[TOOL])
-    cluster_ports = [free_port() for _ in range(3)]
-    routes = tuple(f"nats-route://127.0.0.1:{port}" for port in cluster_ports)
-    nodes = [
-        NatsServer(tmp_path / f"n{i}", server_name=f"n{i}",
-                   authorization=credentials.authorization_config,
-                   cluster=ClusterOptions(name="opledger", port=port, routes=routes))
-        for i, port in enumerate(cluster_ports)
-    ]
+    nodes = _cluster_nodes(tmp_path, credentials.authorization_config)
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        for node in nodes:
-            node.start()
-        for node in nodes:
-            node.wait_healthy(timeout_s=20)
+        _start_all(nodes)
         # A lease long enough to outlast a leader election (the tool's 2 s plus 30 s).
         # The service and the executor are connected to n0 and n1 only, and the results
         # stream is led from n2, which is killed: only the election is under test. (A
