@@ -96,6 +96,27 @@ class Leasing:
             reason="cancel requested" if decision is LeaseDecision.CANCEL else "",
         )
 
+    def _permission_change(
+        self, operation: Operation, contract: ToolContract | None
+    ) -> str | None:
+        """Why the call no longer holds under the contract in force (None: it does)."""
+        if contract is None:
+            current = self._contracts.get(operation.tool)
+            return (
+                f"checked against {operation.tool} {operation.tool_version}, in force"
+                f" now: {current.version if current is not None else 'no contract'}"
+            )
+        missing = _missing_capabilities(operation, contract)
+        if missing:
+            # The caller's recorded capabilities no longer cover what the contract in
+            # force requires (a catalog reloaded under the same version with a wider
+            # requirement): not run.
+            return (
+                f"{operation.tool} {contract.version} now requires"
+                f" {', '.join(missing)}, which the caller did not hold"
+            )
+        return None
+
     def _lease(
         self, operation: Operation, *, executor: str, tool: str | None, now: datetime
     ) -> LeaseReply:
@@ -120,27 +141,11 @@ class Leasing:
                     now=now,
                 )
                 return _done(operation)
-            if contract is None:
-                current = self._contracts.get(operation.tool)
-                operation.refuse_execution(
-                    code="permission_changed",
-                    reason=f"checked against {operation.tool} {operation.tool_version}, in force"
-                    f" now: {current.version if current is not None else 'no contract'}",
-                    now=now,
-                )
+            changed = self._permission_change(operation, contract)
+            if changed is not None:
+                operation.refuse_execution(code="permission_changed", reason=changed, now=now)
                 return _done(operation)
-            missing = _missing_capabilities(operation, contract)
-            if missing:
-                # The caller's recorded capabilities no longer cover what the
-                # contract in force requires (a catalog reloaded under the same
-                # version with a wider requirement): not run.
-                operation.refuse_execution(
-                    code="permission_changed",
-                    reason=f"{operation.tool} {contract.version} now requires"
-                    f" {', '.join(missing)}, which the caller did not hold",
-                    now=now,
-                )
-                return _done(operation)
+            assert contract is not None  # no change means the pinned contract is in force
             if operation.not_before is not None and now < operation.not_before:
                 # A scheduled retry's backoff: the executor waits (a delayed nak)
                 # until then, rather than asking again and again.
