@@ -70,6 +70,7 @@ __all__ = [
     "DATABASE_HOST",
     "DATABASE_NAME",
     "DATABASE_USER",
+    "DEFAULT_APPROVERS",
     "DEFAULT_AUDITORS",
     "DEFAULT_HOSTS",
     "EXECUTOR_METRICS_PORT",
@@ -109,6 +110,9 @@ DATABASE_USER = "opledger"
 
 DEFAULT_HOSTS: tuple[str, ...] = ("agent",)
 DEFAULT_AUDITORS: tuple[str, ...] = ("auditor",)
+DEFAULT_APPROVERS: tuple[str, ...] = ("lead",)
+"""Approver identities; the roles they hold are the ledger service's `--approver`
+flags in docker-compose.yml (`lead`: `support_lead`), not part of any seed."""
 
 SECRET_VALUES: Mapping[str, str] = {
     # The sample e-mail executor's fake provider: a SQLite file on the executor's
@@ -270,6 +274,7 @@ def generate(
     *,
     hosts: Sequence[str] = DEFAULT_HOSTS,
     auditors: Sequence[str] = DEFAULT_AUDITORS,
+    approvers: Sequence[str] = DEFAULT_APPROVERS,
 ) -> Generated:
     """Write every file `docker-compose.yml` mounts (and the seeds used outside it)."""
     out = Path(directory)
@@ -277,7 +282,7 @@ def generate(
     tools = {name: load_tool(spec) for name, spec in SAMPLE_TOOLS.items()}
     postgres = _postgres(out)  # first: it refuses an unusable password file before any rotation
     credentials = generate_credentials(
-        out / "creds", hosts=hosts, tools=list(tools), auditors=auditors
+        out / "creds", hosts=hosts, tools=list(tools), auditors=auditors, approvers=approvers
     )
     written = [identity.seed_path for identity in credentials.identities]
     written.append(out / "creds" / "identities.json")
@@ -306,11 +311,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--auditors", default=",".join(DEFAULT_AUDITORS), help="auditor identities, comma-separated"
     )
+    parser.add_argument(
+        "--approvers",
+        default=",".join(DEFAULT_APPROVERS),
+        help="approver identities, comma-separated (their roles: --approver of the ledger)",
+    )
     args = parser.parse_args(argv)
     generated = generate(
         args.output_dir,
         hosts=[h for h in args.hosts.split(",") if h],
         auditors=[a for a in args.auditors.split(",") if a],
+        approvers=[a for a in args.approvers.split(",") if a],
     )
     for path in generated.files:
         print(generated.directory / path)

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from ledger._recent import Recent
 from schemas import (
+    ApproverRequest,
     CancelRequest,
     ErrorCategory,
     ErrorEnvelope,
@@ -49,6 +50,7 @@ from schemas import (
 
 __all__ = [
     "AgentHostClient",
+    "ApproverClient",
     "LedgerUnavailable",
     "OperatorClient",
     "OutcomeTimeout",
@@ -296,6 +298,57 @@ class OperatorClient:
         data = await _request(
             self._nc,
             Subjects.operate(self.name),
+            request.model_dump_json().encode(),
+            attempts,
+            self._timeout,
+        )
+        return _status_or_refusal(data)
+
+    async def close(self) -> None:
+        """Drain and close the connection."""
+        await self._nc.drain()
+
+
+class ApproverClient:
+    """One approver's connection to the ledger: approve or deny calls.
+
+    The approver's own NATS identity (`Role.APPROVER`) may publish only to
+    `ops.approve.<name>`; the ledger records each decision as `<name>`'s, with
+    the approver roles its own configuration gives that name. Nothing the
+    approver sends can claim another name or another role.
+    """
+
+    def __init__(self, nc: Client, name: str, *, timeout: float = 5.0) -> None:
+        self._nc = nc
+        self.name = check_token(name)
+        self._timeout = timeout
+
+    async def approve(
+        self, operation_id: str, *, proposal_hash: str, attempts: int = 1
+    ) -> OperationStatus:
+        """Approve exactly the call that hashes to `proposal_hash` (as shown to you).
+
+        `RequestRefused` (`APPROVAL_REFUSED`) when the ledger refused it; the
+        refusal is recorded, and its message says what to do next. Asked once by
+        default: after a lost reply, a second approval by the same person is
+        refused (`duplicate_approver`), so look at the operation instead.
+        """
+        request = ApproverRequest(
+            command="approve", operation_id=operation_id, proposal_hash=proposal_hash
+        )
+        return await self._send(request, attempts)
+
+    async def deny(
+        self, operation_id: str, *, reason: str = "", attempts: int = 1
+    ) -> OperationStatus:
+        """Deny the call: it will never run (`RequestRefused` if you may not)."""
+        request = ApproverRequest(command="deny", operation_id=operation_id, reason=reason)
+        return await self._send(request, attempts)
+
+    async def _send(self, request: ApproverRequest, attempts: int) -> OperationStatus:
+        data = await _request(
+            self._nc,
+            Subjects.approve(self.name),
             request.model_dump_json().encode(),
             attempts,
             self._timeout,

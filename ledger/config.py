@@ -10,6 +10,10 @@ relative to the current working directory, wherever they were given. A
     postgres_schema = "ledger"
     contracts_dir = "/etc/opledger/contracts"
 
+    [approver_roles]
+    lead = ["support_lead"]
+    fin-1 = ["finance_approver"]
+
 Every misconfiguration raises `ConfigError` with one line that names the
 setting, and never echoes a DSN (it may hold a password).
 """
@@ -102,6 +106,9 @@ class Settings(BaseSettings):
 
     host_tenants: dict[str, frozenset[str]] | None = None
     """Agent host → the tenants it may act for; unset trusts every host for every tenant."""
+    approver_roles: dict[str, frozenset[str]] | None = None
+    """Approver identity → the approver roles it holds (`[approver_roles]` in
+    opledger.toml); the ledger's word, never the approver's. Unset: nobody holds any."""
 
     def __init__(self, **values: Any) -> None:
         """Read the settings; raises `ConfigError` instead of a validation report."""
@@ -157,6 +164,19 @@ class Settings(BaseSettings):
         _check_contracts_dir(self.contracts_dir)
         if self.nats_url is not None:
             _check_nats_url(self.nats_url)
+        for approver, roles in (self.approver_roles or {}).items():
+            try:
+                check_token(approver)  # the same rule as the approver's subject
+            except ValueError:
+                raise ConfigError(
+                    f"approver_roles names {approver!r}, which is not a valid identity name",
+                    setting="approver_roles",
+                ) from None
+            if not roles:
+                raise ConfigError(
+                    f"approver_roles gives {approver!r} no role; leave it out instead",
+                    setting="approver_roles",
+                )
         for host, tenants in (self.host_tenants or {}).items():
             try:
                 check_token(host)  # the same rule as the host's subjects

@@ -160,22 +160,16 @@ class Demo:
         self._say(f"  {ledger_op} is {reply.state}; the approver sees:")
         shown = self._cli("approvals", "show", ledger_op)
         self._say("    " + "\n    ".join(shown.strip().splitlines()[:14]))
-        self._cli(
-            "approvals",
-            "approve",
-            ledger_op,
-            "--as",
-            "lead",
-            "--role",
-            "support_lead",
-            "--proposal-hash",
-            proposal_hash,
-        )
+        # As the approver identity `lead`, over NATS: the ledger gives `lead` its
+        # roles from its own configuration.
+        self._cli("approvals", "approve", ledger_op, "--approver", "lead",
+                  "--proposal-hash", proposal_hash)
         assert self.host is not None
         status = await self.host.outcome(op, timeout=60)
         sends = count_sends(self.info.home + "/email-provider.db", ledger_op)
         step.observed = (
-            f"{reply.state} → approved from the CLI → {status.state}, sent {sends} time(s)"
+            f"{reply.state} → approved by `lead` over NATS → {status.state},"
+            f" sent {sends} time(s)"
         )
         step.ok = reply.state == "awaiting_approval" and status.state == "succeeded" and sends == 1
 
@@ -208,10 +202,8 @@ class Demo:
                 "approvals",
                 "approve",
                 ledger_operation_id(DEMO_HOST, op),
-                "--as",
+                "--approver",
                 "lead",
-                "--role",
-                "support_lead",
                 "--proposal-hash",
                 (reply.decision.proposal_hash if reply.decision else "") or "",
             )

@@ -36,6 +36,7 @@ from ledger.nats.supervisor import free_port
 from schemas import OpledgerError, StatusRequest, Subjects
 
 __all__ = [
+    "DEMO_APPROVERS",
     "SAMPLE_EXECUTORS",
     "EmbeddedStack",
     "StackInfo",
@@ -48,6 +49,15 @@ SAMPLE_EXECUTORS: dict[str, str] = dict(SAMPLE_TOOLS)
 
 DEMO_HOST = "demo"
 """The agent host identity `opledger demo` uses."""
+DEMO_APPROVERS: dict[str, tuple[str, ...]] = {
+    "lead": ("support_lead",),
+    "steward": ("data_steward",),
+    "finance-1": ("finance_approver",),
+    "finance-2": ("finance_approver",),
+}
+"""The embedded stack's approver identities and the approver roles its ledger
+service gives them (one for each role the sample contracts ask for, and two
+finance approvers for refunds that need two)."""
 _SECRET_PREFIX = "OPLEDGER_SECRET_"
 _STATE_FILE = "stack.json"
 
@@ -179,11 +189,14 @@ class EmbeddedStack:
             existing = load_credentials(self.creds_dir)
             names = {(i.role.value, i.name) for i in existing.identities}
             wanted = {(Role.EXECUTOR.value, t) for t in tools} | {(Role.HOST.value, DEMO_HOST)}
+            wanted |= {(Role.APPROVER.value, a) for a in DEMO_APPROVERS}
             if wanted <= names:
                 return existing
         except CredentialsError:
             pass
-        return generate_credentials(self.creds_dir, hosts=[DEMO_HOST], tools=tools)
+        return generate_credentials(
+            self.creds_dir, hosts=[DEMO_HOST], tools=tools, approvers=sorted(DEMO_APPROVERS)
+        )
 
     def _secrets_file(self, tool: str) -> Path | None:
         secrets = {"email_provider_db": str(self.email_db)} if tool == "send_customer_email" else {}
@@ -228,6 +241,8 @@ class EmbeddedStack:
             "--lease-grace",
             str(self.lease_grace_s),
         ]
+        for approver, roles in sorted(DEMO_APPROVERS.items()):
+            argv += ["--approver", f"{approver}={','.join(roles)}"]
         if self.seal_existing:
             argv.append("--seal-existing")
         if self.contracts_dir is not None:

@@ -103,6 +103,19 @@ class ApprovalPolicy(_Frozen):
         ),
     )
     approver_roles: tuple[str, ...] = ("approver",)
+    required_approvals: int = Field(
+        default=1,
+        ge=1,
+        le=20,
+        description="M-of-N: how many distinct approvers, each holding one of approver_roles.",
+    )
+    required_from: dict[str, int] = Field(
+        default_factory=dict,
+        description=(
+            "Named roles a share of the approvers must come from: role -> how many distinct"
+            " approvers holding it. One person counts for one role only."
+        ),
+    )
     separation_of_duties: bool = Field(
         default=True, description="The requester may not approve their own call."
     )
@@ -121,15 +134,27 @@ class ApprovalPolicy(_Frozen):
                 self.risk_threshold
             ):
                 raise ValueError("two_person_from must not be below risk_threshold")
+        for role, count in self.required_from.items():
+            if role not in self.approver_roles:
+                raise ValueError(f"required_from names {role!r}, which is not an approver role")
+            if count < 1:
+                raise ValueError(f"required_from asks for {count} approvers of {role!r}")
+        if sum(self.required_from.values()) > 20:
+            raise ValueError("required_from asks for more than 20 approvers")
         return self
 
     def approvals_for(self, risk: RiskLevel) -> int:
-        """How many distinct approvers a call of this risk needs, when it needs any."""
+        """How many distinct approvers a call of this risk needs, when it needs any.
+
+        The largest of `required_approvals`, the named roles' shares added up, and
+        two where the mode or `two_person_from` asks for two people.
+        """
+        floor = max(self.required_approvals, sum(self.required_from.values()))
         if self.mode is ApprovalMode.TWO_PERSON:
-            return 2
+            return max(floor, 2)
         if self.two_person_from is not None and risk.at_least(self.two_person_from):
-            return 2
-        return 1
+            return max(floor, 2)
+        return floor
 
 
 class RetryPolicy(_Frozen):

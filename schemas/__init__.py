@@ -24,6 +24,7 @@ from schemas._decision import (
 from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
 from schemas._exceptions import CanonicalizationError, OpledgerError
 from schemas._messages import (
+    ApproverRequest,
     CancelRequest,
     FeedEvent,
     LeaseDecision,
@@ -83,6 +84,7 @@ __all__ = [
     "WIRE_MODELS",
     "WORK_STREAM",
     "ApprovalRequirement",
+    "ApproverRequest",
     "CancelRequest",
     "CanonicalizationError",
     "CheckStage",

@@ -106,6 +106,10 @@ class ApprovalRequirement(WireModel):
 
     approver_roles: tuple[str, ...]
     required_approvals: int = Field(ge=1)
+    required_from: dict[str, int] = Field(
+        default_factory=dict,
+        description="Role -> how many of the approvers must hold it (one person, one role).",
+    )
     separation_of_duties: bool
     expires_in_s: int = Field(gt=0)
     reason: str

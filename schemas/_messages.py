@@ -160,6 +160,26 @@ class OperatorRequest(WireModel):
     reason: str = Field(default="", max_length=500)
 
 
+class ApproverRequest(WireModel):
+    """An approver approves or denies one call, over NATS (answered with the operation's
+    status, by the ledger's ID, or the error envelope).
+
+    Who decides is not in the message: it is the NATS identity the subject
+    `ops.approve.<name>` belongs to, and that approver's roles are the ledger's
+    configuration. An approval names the proposal hash the approver was shown,
+    and counts only for that exact call.
+    """
+
+    command: Literal["approve", "deny"]
+    operation_id: str = Field(pattern=OPERATION_ID_PATTERN, description="The ledger's ID.")
+    proposal_hash: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="For `approve`: the hash of the call as shown (required).",
+    )
+    reason: str = Field(default="", max_length=500)
+
+
 class StatusRequest(WireModel):
     """A host asks where one of its operations stands."""
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from schemas._decision import Decision, ValidationIssue
 from schemas._errors import ErrorEnvelope
 from schemas._messages import (
+    ApproverRequest,
     CancelRequest,
     FeedEvent,
     LeaseReply,
@@ -45,6 +46,7 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "status-request": StatusRequest,
     "cancel-request": CancelRequest,
     "operator-request": OperatorRequest,
+    "approver-request": ApproverRequest,
     "operation-status": OperationStatus,
     "feed-event": FeedEvent,
 }

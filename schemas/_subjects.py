@@ -158,6 +158,11 @@ class Subjects:
         return "ops.operate.*"
 
     @staticmethod
+    def all_approver_requests() -> str:
+        """Every approver's subject (`ops.approve.*`), served by the ledger."""
+        return "ops.approve.*"
+
+    @staticmethod
     def all_lease_requests() -> str:
         """Every tool's lease subject (`ops.lease.*`), served by the ledger."""
         return "ops.lease.*"
@@ -203,6 +208,12 @@ class Subjects:
     def operate(operator: str) -> str:
         """Where operator `operator` settles or cancels operations (request/reply)."""
         return f"ops.operate.{check_token(operator)}"
+
+    @staticmethod
+    def approve(approver: str) -> str:
+        """Where approver `approver` approves or denies calls (request/reply); the
+        ledger records the decision as that approver's, with the roles it configured."""
+        return f"ops.approve.{check_token(approver)}"
 
     @staticmethod
     def outcome(host: str, operation_id: str) -> str:

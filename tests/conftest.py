@@ -67,3 +67,10 @@ def postgres_storage() -> Iterator[StorageConfig]:
     config = postgres_storage_or_skip()
     yield config
     drop_schema(config)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """asyncio only: nats-py and the service are asyncio code. Without this, anyio also
+    runs every `anyio` test under trio whenever trio is installed (selenium brings it)."""
+    return "asyncio"

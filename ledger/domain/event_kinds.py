@@ -71,6 +71,15 @@ def when_text(value: str | datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _via(channel: str) -> str:
+    """How an approver's word came (`ApprovalGranted.via`): said where it is not NATS."""
+    return {"web": " on the approval page", "break_glass": " (break glass)"}.get(channel, "")
+
+
+def _as_roles(roles: list[str]) -> str:
+    return f" as {', '.join(roles)}" if roles else ""
+
+
 def _reconciled(fields: Mapping[str, Any], _before: OperationState) -> OperationState:
     return S.SUCCEEDED if fields["outcome"] == "succeeded" else S.FAILED
 
@@ -120,11 +129,20 @@ _KINDS = (
         ),
         state=S.AWAITING_APPROVAL,
     ),
-    EventKind(Op.ApprovalGranted, lambda e: f"approved by {e.approver}"),
-    EventKind(Op.ApprovalRefused, lambda e: f"approval by {e.approver} refused: {e.reason}"),
+    EventKind(
+        Op.ApprovalGranted,
+        lambda e: f"approved by {e.approver}{_as_roles(e.approver_roles)}{_via(e.via)}",
+    ),
+    EventKind(
+        Op.ApprovalRefused,
+        lambda e: (
+            f"{'denial' if e.decision == 'deny' else 'approval'} by {e.approver}"
+            f"{_via(e.via)} refused: {e.reason}"
+        ),
+    ),
     EventKind(
         Op.ApprovalDenied,
-        lambda e: f"denied by {e.approver}" + (f": {e.reason}" if e.reason else ""),
+        lambda e: f"denied by {e.approver}{_via(e.via)}" + (f": {e.reason}" if e.reason else ""),
         state=S.APPROVAL_DENIED,
         settles=True,
     ),

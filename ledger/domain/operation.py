@@ -21,7 +21,14 @@ from ledger.domain.errors import IllegalTransition, InvalidArgument, TamperDetec
 from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event, event_hash
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
-from ledger.domain.values import Approval, Lease, Outcome, OutcomeStatus, ReconcilePlan
+from ledger.domain.values import (
+    Approval,
+    ApprovalGiven,
+    Lease,
+    Outcome,
+    OutcomeStatus,
+    ReconcilePlan,
+)
 from schemas import CANCELLED_BEFORE_EFFECT, RECONCILE_UNSUPPORTED, ResultOutcome, RiskLevel
 
 __all__ = ["ALLOWED", "Operation", "Refusal"]
@@ -177,6 +184,7 @@ class Operation(BaseAggregate[str]):
             aggregate.issues = []
             aggregate.approval = None
             aggregate.approvers = []
+            aggregate.approvals_given = ()
             aggregate.approval_consumed = False
             aggregate.attempt = 0
             aggregate.fencing_token = 0
@@ -255,6 +263,8 @@ class Operation(BaseAggregate[str]):
         separation_of_duties: bool
         expires_at: datetime
         reason: str
+        required_from: dict[str, int] = Field(default_factory=dict)
+        """Role -> how many of the approvers must hold it (empty before M-of-N by role)."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.AWAITING_APPROVAL
@@ -266,6 +276,7 @@ class Operation(BaseAggregate[str]):
                 separation_of_duties=self.separation_of_duties,
                 expires_at=self.expires_at,
                 reason=self.reason,
+                required_from=dict(self.required_from),
             )
 
     class ApprovalGranted(Event):
@@ -274,17 +285,27 @@ class Operation(BaseAggregate[str]):
         approval_id: str
         approver: str
         proposal_hash: str
+        approver_roles: list[str] = Field(default_factory=list)
+        """The approver's roles among those requested, as the ledger knew them."""
+        via: str = ""
+        """`nats`: the approver's own NATS identity said so; `break_glass`: someone with
+        the database wrote it directly. Empty in events from before it was recorded."""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.approvers = [*aggregate.approvers, self.approver]
+            given = ApprovalGiven(self.approver, frozenset(self.approver_roles), self.via)
+            aggregate.approvals_given = (*aggregate.approvals_given, given)
 
     class ApprovalRefused(Event):
-        """An approval attempt was refused; recorded so auditors see every attempt."""
+        """An approval or denial was refused; recorded so auditors see every attempt."""
 
         approval_id: str
         approver: str
         proposal_hash: str
         reason: str
+        decision: str = "approve"
+        """What was refused: `approve` or `deny`."""
+        via: str = ""
 
     class ApprovalDenied(Event):
         """An approver denied the call."""
@@ -292,6 +313,8 @@ class Operation(BaseAggregate[str]):
         approval_id: str
         approver: str
         reason: str = ""
+        approver_roles: list[str] = Field(default_factory=list)
+        via: str = ""
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.state = S.APPROVAL_DENIED
@@ -634,6 +657,8 @@ class Operation(BaseAggregate[str]):
         issues: list[dict[str, Any]]
         approval: Approval | None
         approvers: list[str]
+        approvals_given: tuple[ApprovalGiven, ...]
+        """The approvals that count, with each approver's roles (`ApprovalGranted`)."""
         approval_consumed: bool
         attempt: int
         fencing_token: int
@@ -799,11 +824,17 @@ class Operation(BaseAggregate[str]):
         expires_at: datetime,
         reason: str,
         now: datetime,
+        required_from: dict[str, int] | None = None,
     ) -> None:
         """Ask for human approval of exactly this call."""
         self._guard("request_approval")
+        shares = dict(required_from or {})
         if required_approvals < 1:
             raise InvalidArgument("required_approvals must be at least 1")
+        if any(role not in approver_roles or n < 1 for role, n in shares.items()):
+            raise InvalidArgument("required_from names a role that may not approve, or none")
+        if sum(shares.values()) > required_approvals:
+            raise InvalidArgument("required_from asks for more approvers than required")
         self._trigger(
             self.ApprovalRequested,
             now,
@@ -814,6 +845,7 @@ class Operation(BaseAggregate[str]):
             separation_of_duties=separation_of_duties,
             expires_at=expires_at,
             reason=reason,
+            required_from=shares,
         )
 
     def mark_ready(self, now: datetime) -> None:
@@ -829,8 +861,12 @@ class Operation(BaseAggregate[str]):
         approver_roles: frozenset[str],
         proposal_hash: str,
         now: datetime,
+        via: str = "",
     ) -> Refusal | None:
-        """Approve; returns the refusal reason (recorded as an event) when refused."""
+        """Approve; returns the refusal reason (recorded as an event) when refused.
+
+        `via` says how the approver's word reached the ledger (`nats`, `break_glass`).
+        """
         if self.state not in ALLOWED["grant_approval"] or self.approval is None:
             raise IllegalTransition(
                 f"cannot grant approval to an operation that is {self.state.value}",
@@ -847,6 +883,7 @@ class Operation(BaseAggregate[str]):
                 approver=approver,
                 proposal_hash=proposal_hash,
                 reason=refusal,
+                via=via,
             )
             if refusal == "expired":
                 self._trigger(self.ApprovalExpired, now, approval_id=self.approval.approval_id)
@@ -857,8 +894,10 @@ class Operation(BaseAggregate[str]):
             approval_id=approval_id,
             approver=approver,
             proposal_hash=proposal_hash,
+            approver_roles=sorted(approver_roles & set(self.approval.approver_roles)),
+            via=via,
         )
-        if len(self.approvers) >= self.approval.required_approvals:
+        if self.approval.quorum_met(self.approvals_given):
             self._trigger(
                 self.Readied, now, approval_id=approval_id, approvers=list(self.approvers)
             )
@@ -889,15 +928,46 @@ class Operation(BaseAggregate[str]):
             return Refusal("duplicate_approver")
         return None
 
-    def deny_approval(self, *, approval_id: str, approver: str, reason: str, now: datetime) -> None:
-        """Deny the call; it will never run."""
+    def deny_approval(
+        self,
+        *,
+        approval_id: str,
+        approver: str,
+        approver_roles: frozenset[str],
+        reason: str,
+        now: datetime,
+        via: str = "",
+    ) -> Refusal | None:
+        """Deny the call; it will never run. Only an approver of this request may:
+        anyone else's denial is refused, recorded, and its reason returned."""
         self._guard("deny_approval")
         assert self.approval is not None
         if approval_id != self.approval.approval_id:
             raise IllegalTransition("no such approval request", operation_id=self.id)
+        held = approver_roles & set(self.approval.approver_roles)
+        if not held:
+            refusal = Refusal("not_an_approver")
+            self._trigger(
+                self.ApprovalRefused,
+                now,
+                approval_id=approval_id,
+                approver=approver,
+                proposal_hash=self.proposal_hash or "",
+                reason=refusal,
+                decision="deny",
+                via=via,
+            )
+            return refusal
         self._trigger(
-            self.ApprovalDenied, now, approval_id=approval_id, approver=approver, reason=reason
+            self.ApprovalDenied,
+            now,
+            approval_id=approval_id,
+            approver=approver,
+            reason=reason,
+            approver_roles=sorted(held),
+            via=via,
         )
+        return None
 
     def expire_approval(self, now: datetime) -> None:
         """Expire the approval request, if its time has passed."""

@@ -6,13 +6,13 @@ Set by the events' `apply_to` only; commands read them, never change them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["Approval", "Lease", "Outcome", "OutcomeStatus", "ReconcilePlan"]
+__all__ = ["Approval", "ApprovalGiven", "Lease", "Outcome", "OutcomeStatus", "ReconcilePlan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,36 @@ class Approval:
     """Whether the requester is barred from approving their own call."""
     expires_at: datetime
     reason: str
+    required_from: Mapping[str, int] = field(default_factory=dict)
+    """Role -> how many of the approvers must hold it (M-of-N from named roles)."""
+
+    def quorum_met(self, given: Sequence[ApprovalGiven]) -> bool:
+        """Whether `given` (distinct approvers) complete this request.
+
+        Enough approvers, and the named roles' shares filled by distinct people:
+        one person holding two named roles counts for one of them, so a contract
+        that asks for a finance and a legal approver never runs on one person's
+        word. Which person fills which share is a matching (bipartite, found by
+        augmenting paths; a handful of people, so no library is worth it).
+        """
+        if len(given) < self.required_approvals:
+            return False
+        shares = [role for role, count in sorted(self.required_from.items()) for _ in range(count)]
+        holder: dict[int, int] = {}  # share index -> index into `given`
+
+        def assign(person: int, seen: set[int]) -> bool:
+            for share, role in enumerate(shares):
+                if share in seen or role not in given[person].roles:
+                    continue
+                seen.add(share)
+                if share not in holder or assign(holder[share], seen):
+                    holder[share] = person
+                    return True
+            return False
+
+        for person in range(len(given)):
+            assign(person, set())
+        return len(holder) == len(shares)
 
     def as_dict(self) -> dict[str, Any]:
         """As JSON-able data (for operators' views)."""
@@ -36,10 +66,23 @@ class Approval:
             "effect_preview": dict(self.effect_preview),
             "approver_roles": list(self.approver_roles),
             "required_approvals": self.required_approvals,
+            "required_from": dict(self.required_from),
             "separation_of_duties": self.separation_of_duties,
             "expires_at": self.expires_at,
             "reason": self.reason,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalGiven:
+    """One approval that counts: who gave it, with which of the requested roles, and how."""
+
+    approver: str
+    roles: frozenset[str]
+    """The approver's roles among those the request accepts (as the ledger knew them)."""
+    via: str = ""
+    """`nats` (the approver's own identity), `break_glass` (the database, directly), or
+    empty for approvals recorded before the channel was."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@
     opledger audit export [--output FILE]
     opledger approvals list
     opledger approvals show OP_ID
-    opledger approvals approve OP_ID --as USER --role ROLE --proposal-hash HASH
-    opledger approvals deny OP_ID --as USER [--reason TEXT]
+    opledger approvals approve OP_ID --approver NAME --proposal-hash HASH
+    opledger approvals deny OP_ID --approver NAME [--reason TEXT]
+    opledger approvals approve OP_ID --break-glass --as USER --role ROLE --proposal-hash HASH
 
 Every command is a subcommand of one parser, and takes the global options
 (`--home`, `--database`, `--postgres-schema`, `--json`) before or after its
@@ -34,7 +35,8 @@ No command creates a ledger: a missing path, or a database without
 opledger's tables, is refused (`NO_LEDGER`, exit 2) with nothing written.
 The commands that only look (ops list/show, audit verify/head/export,
 approvals list/show) open the database read-only; `ops rebuild` and
-`approvals approve/deny` write, and only there. None of them seals: the seal
+`approvals approve/deny --break-glass` write, and only there. An approver's
+own decision goes over NATS as their identity (`approving`). None of them seals: the seal
 is written by the ledger service alone, with its key.
 """
 
@@ -62,10 +64,11 @@ from ledger.audit.parallel import trusted_head
 from ledger.audit.seal import SealKeyError, SignedHead, TrustedKeys
 from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding
 from ledger.bootstrap import open_ledger
-from ledger.config import Settings, seconds_argument
+from ledger.config import ConfigError, Settings, seconds_argument
 from ledger.domain.errors import OperationNotFound
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
+from ledger.entrypoints.approving import add_decision_arguments
 from ledger.entrypoints.parsing import (
     EXIT_BROKEN_PIPE,
     EXIT_FINDINGS,
@@ -175,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from(args)
         args.settings = settings
         run: Callable[[argparse.Namespace, Settings], int] | None = getattr(args, "run", None)
-        if run is not None:  # a process command: it prints what it has to say
+        if getattr(args, "break_glass", False):
+            run = None  # an approver's decision written to the database directly
+        if run is not None:  # a process or NATS command: it prints what it has to say
             return run(args, settings)
         with _open_ledger(settings, read_only=args.access == READ) as ledger:
             output = _run(args.command, ledger, args)
@@ -402,35 +407,21 @@ def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
     approve = _leaf(
         actions,
         "approve",
-        "approve exactly the call you reviewed",
+        "approve exactly the call you reviewed, as your approver identity (over NATS)",
         common,
-        approvals_approve,
+        approvals_approve_break_glass,
         WRITE,
     )
-    approve.add_argument("operation_id", metavar="OP_ID")
-    approve.add_argument("--as", dest="user", required=True, metavar="USER", help="who approves")
-    approve.add_argument(
-        "--role",
-        dest="roles",
-        action="append",
-        required=True,
-        metavar="ROLE",
-        help="an approver role you hold (repeatable)",
-    )
-    approve.add_argument(
-        "--proposal-hash",
-        required=True,
-        metavar="HASH",
-        help="the proposal hash shown by `approvals show`: binds the approval to those arguments",
-    )
+    add_decision_arguments(approve, "approve")
     deny = _leaf(
-        actions, "deny", "deny the call; it will never run", common, approvals_deny, WRITE
+        actions,
+        "deny",
+        "deny the call, as your approver identity (over NATS); it will never run",
+        common,
+        approvals_deny_break_glass,
+        WRITE,
     )
-    deny.add_argument("operation_id", metavar="OP_ID")
-    deny.add_argument("--as", dest="user", required=True, metavar="USER", help="who denies")
-    deny.add_argument(
-        "--reason", default="", help="why, for the requester and the audit (default: none)"
-    )
+    add_decision_arguments(deny, "deny")
 
 
 def _positive(text: str) -> int:
@@ -687,21 +678,36 @@ def approvals_show(ledger: Ledger, args: argparse.Namespace) -> Output:
     return Output(approval_view(operation), render_approval)
 
 
-def approvals_approve(ledger: Ledger, args: argparse.Namespace) -> Output:
-    """`approvals approve`: approve the call bound to `--proposal-hash`, as `--as`."""
+def approvals_approve_break_glass(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`approvals approve --break-glass`: written to the database directly, as `--as`
+    with the `--role`s given, and recorded as break glass."""
+    _check_break_glass(args)
     operation = ledger.approve(
         args.operation_id,
         approver=args.user,
         approver_roles=args.roles,
         proposal_hash=args.proposal_hash,
+        via="break_glass",
     )
-    return Output(decision_view(operation, "approved", args.user), render_decision)
+    return Output(decision_view(operation, "approved", args.user, "break_glass"), render_decision)
 
 
-def approvals_deny(ledger: Ledger, args: argparse.Namespace) -> Output:
-    """`approvals deny`: the call will never run."""
-    operation = ledger.deny(args.operation_id, approver=args.user, reason=args.reason)
-    return Output(decision_view(operation, "denied", args.user), render_decision)
+def approvals_deny_break_glass(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`approvals deny --break-glass`: as for approving, the call will never run."""
+    _check_break_glass(args)
+    operation = ledger.deny(
+        args.operation_id,
+        approver=args.user,
+        approver_roles=args.roles,
+        reason=args.reason,
+        via="break_glass",
+    )
+    return Output(decision_view(operation, "denied", args.user, "break_glass"), render_decision)
+
+
+def _check_break_glass(args: argparse.Namespace) -> None:
+    if not args.user or not args.roles:
+        raise ConfigError("--break-glass needs --as USER and at least one --role ROLE")
 
 
 if __name__ == "__main__":  # pragma: no cover

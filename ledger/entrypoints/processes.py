@@ -204,6 +204,12 @@ def _add_creds(commands: Any, common: argparse.ArgumentParser) -> None:
         "--tools", default="", help="tools, comma-separated (default: every sample tool)"
     )
     creds.add_argument("--auditors", default="auditor", help="auditors, comma-separated")
+    creds.add_argument(
+        "--approvers",
+        default="",
+        help="approver identities, comma-separated (default: none); their roles are the"
+        " ledger service's --approver NAME=ROLE",
+    )
     creds.add_argument("--port", type=int, default=4222, help="client port in the config")
     creds.set_defaults(run=_creds)
 
@@ -224,6 +230,7 @@ def _creds(args: argparse.Namespace, settings: Settings) -> int:
         hosts=[h for h in args.hosts.split(",") if h],
         tools=tools,
         auditors=[a for a in args.auditors.split(",") if a],
+        approvers=[a for a in args.approvers.split(",") if a],
     )
     config = write_server_config(
         out / "nats-server.conf",

@@ -275,6 +275,7 @@ def render_approval(data: dict[str, Any]) -> str:
         "",
         _render_fields(fields, width=18),
         "",
+        *_target_lines(data.get("targets") or [], data.get("targets_total") or 0),
         "Arguments (exactly what will run):",
         *_argument_lines(data["arguments"], data["applied_defaults"]),
         "",
@@ -283,6 +284,19 @@ def render_approval(data: dict[str, Any]) -> str:
     if data["state"] == OperationState.AWAITING_APPROVAL.value:
         lines.extend(_decision_hints(data))
     return "\n".join(lines)
+
+
+def _target_lines(targets: list[dict[str, Any]], total: int) -> list[str]:
+    """Who or what the call acts on, as the host's systems name them."""
+    if not targets:
+        return []
+    lines = ["It acts on:"]
+    for target in targets:
+        label = f": {target['label']}" if target.get("label") else ""
+        lines.append(f"  {target['kind']} {target['id']}{label}")
+    if total > len(targets):
+        lines.append(f"  … and {total - len(targets)} more ({total} in all)")
+    return [*lines, ""]
 
 
 def _argument_lines(arguments: Any, defaults: list[str]) -> list[str]:
@@ -302,23 +316,23 @@ def _argument_text(value: Any) -> str:
 
 
 def _decision_hints(data: dict[str, Any]) -> list[str]:
-    role = (data["approver_roles"] or ["ROLE"])[0]
     operation = data["operation_id"]
     return [
         "",
-        "To approve exactly this call:",
-        f"  opledger approvals approve {operation} --as YOUR_NAME --role {role} "
+        "To approve exactly this call, as your approver identity:",
+        f"  opledger approvals approve {operation} --approver YOUR_NAME "
         f"--proposal-hash {data['proposal_hash']}",
         "To deny it:",
-        f'  opledger approvals deny {operation} --as YOUR_NAME --reason "..."',
+        f'  opledger approvals deny {operation} --approver YOUR_NAME --reason "..."',
     ]
 
 
 def render_decision(data: dict[str, Any]) -> str:
     """`approvals approve` / `deny` for people."""
     operation, state = data["operation_id"], data["state"]
+    by = data["by"] + (" (break glass)" if data.get("via") == "break_glass" else "")
     if data["decision"] == "denied":
-        return f"denied {operation} as {data['by']}: it will not run (state {state})"
+        return f"denied {operation} as {by}: it will not run (state {state})"
     granted, required = len(data["approved_by"]), data["required_approvals"]
     following = (
         "it is ready to run"
@@ -326,6 +340,6 @@ def render_decision(data: dict[str, Any]) -> str:
         else f"{required - granted} more approval(s) needed"
     )
     return (
-        f"approved {operation} as {data['by']} ({granted} of {required} approvals): "
+        f"approved {operation} as {by} ({granted} of {required} approvals): "
         f"{following} (state {state})"
     )

@@ -118,6 +118,8 @@ def approval_view(operation: Operation) -> dict[str, Any]:
         "risk": preview.get("risk", operation.risk),
         "risk_reasons": preview.get("risk_reasons", []),
         "arguments": preview.get("arguments", operation.arguments),
+        "targets": preview.get("targets", []),
+        "targets_total": preview.get("targets_total", 0),
         "applied_defaults": preview.get("applied_defaults", []),
         "requested_by": preview.get("requested_by", operation.actor),
         "tenant": preview.get("tenant", operation.tenant),
@@ -132,13 +134,14 @@ def approval_view(operation: Operation) -> dict[str, Any]:
     }
 
 
-def decision_view(operation: Operation, decision: str, user: str) -> dict[str, Any]:
-    """The operation after an approver's decision."""
+def decision_view(operation: Operation, decision: str, user: str, via: str) -> dict[str, Any]:
+    """The operation after an approver's decision (`via`: how it was recorded)."""
     approval = operation.approval.as_dict() if operation.approval else {}
     return {
         "operation_id": operation.id,
         "decision": decision,
         "by": user,
+        "via": via,
         "state": operation.state.value,
         "approval_id": approval.get("approval_id"),
         "approved_by": operation.approvers,

@@ -8,7 +8,11 @@ Four roles talk over NATS, and each gets exactly the subjects its job needs
 - the executors of one tool (`exec`): fetch and acknowledge that tool's work,
   ask for leases and publish results for that tool only;
 - an auditor (`auditor`): reads the feed through its consumer and by sequence
-  (direct gets), publishes nothing else.
+  (direct gets), publishes nothing else;
+- an operator (`operator`) and an approver (`approver`): a person's tool, each
+  with one request subject of its own (`ops.operate.<name>`,
+  `ops.approve.<name>`), so the ledger knows who acts from the subject the
+  broker let them publish to, never from what they say.
 
 Nobody may subscribe to `_INBOX.>` (it would receive everyone's replies): every
 identity has a private inbox prefix (`schemas.inbox_prefix`) that its client
@@ -147,6 +151,9 @@ class Role(StrEnum):
     AUDITOR = "auditor"
     OPERATOR = "operator"
     """A person's tool (`OperatorClient`): settles unknown outcomes and cancels."""
+    APPROVER = "approver"
+    """A person's tool (`ApproverClient`): approves or denies calls. Which approver
+    roles the person holds is the ledger service's configuration, not theirs."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +252,7 @@ def permissions_for(role: Role, name: str) -> Permissions:
                 Subjects.all_status_requests(),
                 Subjects.all_cancel_requests(),
                 Subjects.all_operator_requests(),
+                Subjects.all_approver_requests(),
                 Subjects.all_lease_requests(),
                 inbox,
             ),
@@ -257,6 +265,10 @@ def permissions_for(role: Role, name: str) -> Permissions:
         # One request subject of its own (the ledger records who settled what by
         # it) and its inbox: no JetStream, no host's or executor's subject.
         return Permissions(publish=(Subjects.operate(name),), subscribe=(inbox,))
+    if role is Role.APPROVER:
+        # The same shape: the subject is the approver's name, so no approver can
+        # speak for another (the server refuses the publish).
+        return Permissions(publish=(Subjects.approve(name),), subscribe=(inbox,))
     if role is Role.HOST:
         return Permissions(
             publish=(Subjects.propose(name), Subjects.status(name), Subjects.cancel(name)),
@@ -427,6 +439,10 @@ class CredentialSet:
         """Operator `name`'s identity."""
         return self.get(Role.OPERATOR, name)
 
+    def approver(self, name: str) -> Identity:
+        """Approver `name`'s identity."""
+        return self.get(Role.APPROVER, name)
+
 
 def _manifest(identities: Iterable[Identity]) -> str:
     entries = [
@@ -449,6 +465,7 @@ def generate_credentials(
     auditors: Sequence[str] = ("auditor",),
     ledger: str = "ledger",
     operators: Sequence[str] = (),
+    approvers: Sequence[str] = (),
 ) -> CredentialSet:
     """Create a fresh seed per identity in `directory` (mode 0600) and a manifest.
 
@@ -464,6 +481,7 @@ def generate_credentials(
     wanted += [(Role.EXECUTOR, t) for t in tools]
     wanted += [(Role.AUDITOR, a) for a in auditors]
     wanted += [(Role.OPERATOR, o) for o in operators]
+    wanted += [(Role.APPROVER, a) for a in approvers]
     seen: set[tuple[Role, str]] = set()
     identities: list[Identity] = []
     for role, name in wanted:
@@ -626,6 +644,7 @@ _REQUESTER_ROLE = {
     "status": Role.HOST,
     "cancel": Role.HOST,
     "operate": Role.OPERATOR,
+    "approve": Role.APPROVER,
     "lease": Role.EXECUTOR,
 }
 # The reply subject the server gives a request that came through a service import.

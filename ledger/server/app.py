@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -35,6 +35,7 @@ from ledger.service import Ledger
 from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
+    ApproverRequest,
     CancelRequest,
     ErrorCategory,
     ErrorEnvelope,
@@ -76,6 +77,10 @@ class ServiceOptions:
     """Declares streams and consumers at start (the service owns the topology)."""
     allowed_tenants: dict[str, frozenset[str]] | None = None
     """Host → tenants it may act for; None trusts every host for every tenant."""
+    approver_roles: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """Approver identity → the approver roles it holds. The only source of an
+    approver's roles: an identity not named here holds none, and whatever it
+    approves or denies is refused (and recorded) as `not_an_approver`."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port."""
     metrics_addr: str = "127.0.0.1"
@@ -196,6 +201,7 @@ class LedgerService:
         await requests.serve(Subjects.all_status_requests(), self._on_status)
         await requests.serve(Subjects.all_cancel_requests(), self._on_cancel)
         await requests.serve(Subjects.all_operator_requests(), self._on_operate)
+        await requests.serve(Subjects.all_approver_requests(), self._on_approve)
         await requests.serve(Subjects.all_lease_requests(), self._lease)
         self._requests = requests
 
@@ -229,6 +235,19 @@ class LedgerService:
             return _failed(_invalid(exc))
         try:
             return _reply(await self._gateway.operate(request, operator))
+        except OpledgerError as error:
+            return _failed(error.to_info(), request.operation_id)
+
+    async def _on_approve(self, body: bytes, approver: str) -> bytes:
+        try:
+            request = ApproverRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _failed(_invalid(exc))
+        # Who decides is the subject's name (the broker let only that identity
+        # publish there), with the roles this service was configured with.
+        roles = self.options.approver_roles.get(approver, frozenset())
+        try:
+            return _reply(await self._gateway.decide(request, approver, roles))
         except OpledgerError as error:
             return _failed(error.to_info(), request.operation_id)
 

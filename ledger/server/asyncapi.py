@@ -32,6 +32,7 @@ from faststream.specification import AsyncAPI
 from pydantic import BaseModel
 
 from schemas import (
+    ApproverRequest,
     CancelRequest,
     ErrorEnvelope,
     FeedEvent,
@@ -91,6 +92,11 @@ CHANNELS: tuple[Channel, ...] = (
     Channel("operate", _address(Subjects.operate, "operator"), OperatorRequest, received=True,
             description="An operator resolves an unknown outcome or cancels, by the ledger's"
             " operation ID (request/reply); answered with its status or `request_refused`."),
+    Channel("approve", _address(Subjects.approve, "approver"), ApproverRequest, received=True,
+            description="An approver approves (naming the proposal hash shown) or denies a"
+            " call, by the ledger's operation ID (request/reply). Who decides is the"
+            " approver whose subject it is, with the roles the ledger's configuration gives"
+            " them; answered with the operation's status or `request_refused`."),
     Channel("lease", _address(Subjects.lease, "tool"), LeaseRequest, received=True,
             description="An executor asks for the lease on one operation, or checks in"
             " while it runs one (`holding`: the answer may be `cancel`) (request/reply)."),

@@ -30,6 +30,7 @@ from ledger.domain.errors import InvalidArgument, LedgerError
 from ledger.domain.states import ResultDisposition
 from ledger.service import Ledger, Submission, SubmitItem
 from schemas import (
+    ApproverRequest,
     ErrorCategory,
     LeaseReply,
     OperationStatus,
@@ -146,6 +147,33 @@ class LedgerGateway:
             )
         else:
             self.ledger.cancel(request.operation_id, by=by, reason=request.reason)
+        return self.ledger.status(request.operation_id)
+
+    async def decide(
+        self, request: ApproverRequest, approver: str, roles: frozenset[str]
+    ) -> OperationStatus:
+        """An approver approves or denies (recorded as `approver`, with `roles`, via
+        NATS); the status after. A refusal is recorded, then raised."""
+        if request.command == "approve":
+            if request.proposal_hash is None:
+                raise InvalidArgument(
+                    "an approval names the proposal hash it was shown (`proposal_hash`)"
+                )
+            self.ledger.approve(
+                request.operation_id,
+                approver=approver,
+                approver_roles=roles,
+                proposal_hash=request.proposal_hash,
+                via="nats",
+            )
+        else:
+            self.ledger.deny(
+                request.operation_id,
+                approver=approver,
+                approver_roles=roles,
+                reason=request.reason,
+                via="nats",
+            )
         return self.ledger.status(request.operation_id)
 
     async def record_many(

@@ -17,7 +17,7 @@ import importlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from ledger.config import ConfigError, Settings, seconds_argument
 from ledger.entrypoints.parsing import CommandParser, global_options
 from ledger.nats.topology import declare_topology
 from ledger.server.app import LedgerService, ServiceOptions
-from schemas import OpledgerError, inbox_prefix
+from schemas import OpledgerError, check_token, inbox_prefix
 
 __all__ = ["add_serve_arguments", "build_parser", "run_service", "run_service_main"]
 
@@ -100,6 +100,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, help="serve Prometheus metrics here (default: no metrics)"
     )
     parser.add_argument("--metrics-addr", default="127.0.0.1", help="address for --metrics-port")
+    parser.add_argument(
+        "--approver",
+        dest="approvers",
+        action="append",
+        default=[],
+        metavar="NAME=ROLE[,ROLE...]",
+        help="approver identity NAME holds these approver roles (repeatable; added to"
+        " approver_roles of opledger.toml). An approver named nowhere holds no role",
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
 
 
@@ -122,6 +131,29 @@ def _fill_from_settings(args: argparse.Namespace, settings: Settings) -> None:
     if not args.nats_url:
         raise ConfigError("no NATS URL: give --nats-url or set OPLEDGER_NATS_URL")
     args.host_tenants = settings.host_tenants
+    args.approver_roles = _approver_roles(settings.approver_roles or {}, args.approvers)
+
+
+def _approver_roles(
+    configured: Mapping[str, frozenset[str]], flags: Sequence[str]
+) -> dict[str, frozenset[str]]:
+    """The settings' approver roles with `--approver NAME=ROLE,...` added to them."""
+    roles = {name: frozenset(held) for name, held in configured.items()}
+    for flag in flags:
+        name, sep, listed = flag.partition("=")
+        held = frozenset(r.strip() for r in listed.split(",") if r.strip())
+        try:
+            check_token(name)
+        except ValueError:
+            raise ConfigError(
+                f"--approver {flag!r}: {name!r} is not a valid identity name"
+            ) from None
+        if not sep or not held:
+            raise ConfigError(
+                f"--approver {flag!r} names no role: write NAME=ROLE[,ROLE...]"
+            )
+        roles[name] = roles.get(name, frozenset()) | held
+    return roles
 
 
 def _plugins(spec: str) -> tuple[Any, Any]:
@@ -221,6 +253,7 @@ def run_service(args: argparse.Namespace, settings: Settings) -> int:
             metrics_port=args.metrics_port,
             metrics_addr=args.metrics_addr,
             allowed_tenants=args.host_tenants,
+            approver_roles=args.approver_roles,
             redispatch_after=(
                 timedelta(seconds=args.redispatch_after) if args.redispatch_after > 0 else None
             ),

@@ -27,9 +27,13 @@ class Approvals:
         approver_roles: Iterable[str],
         proposal_hash: str,
         approval_id: str | None = None,
+        via: str = "",
     ) -> Operation:
         """Approve exactly the call that hashes to `proposal_hash`.
 
+        `approver` and `approver_roles` come from whoever authenticated the
+        approver (the NATS identity and the service's configuration), never from
+        the approver's own message; `via` records which way it came.
         A refused approval is recorded in the ledger, then `ApprovalRefused` is raised.
         """
         roles = frozenset(approver_roles)
@@ -42,29 +46,72 @@ class Approvals:
                 approver_roles=roles,
                 proposal_hash=proposal_hash,
                 now=self._clock(),
+                via=via,
             )
             return operation, refusal
 
         operation, refusal = self._runner.update(operation_id, command)
         if refusal is not None:
-            raise ApprovalRefused(
-                f"approval refused: {refusal}", operation_id=operation_id, reason=str(refusal)
-            )
+            raise _refused("approval", operation, refusal)
         return operation
 
-    def deny(self, operation_id: str, *, approver: str, reason: str = "") -> Operation:
-        """Deny the call; it will never run."""
+    def deny(
+        self,
+        operation_id: str,
+        *,
+        approver: str,
+        approver_roles: Iterable[str],
+        reason: str = "",
+        via: str = "",
+    ) -> Operation:
+        """Deny the call; it will never run. Only one of its approvers may: anyone
+        else's denial is recorded, then `ApprovalRefused` (`not_an_approver`) is raised."""
+        roles = frozenset(approver_roles)
 
-        def command(operation: Operation) -> Operation:
-            operation.deny_approval(
+        def command(operation: Operation) -> tuple[Operation, str | None]:
+            refusal = operation.deny_approval(
                 approval_id=_open_approval_id(operation),
                 approver=approver,
+                approver_roles=roles,
                 reason=reason,
                 now=self._clock(),
+                via=via,
             )
-            return operation
+            return operation, refusal
 
-        return self._runner.update(operation_id, command)
+        operation, refusal = self._runner.update(operation_id, command)
+        if refusal is not None:
+            raise _refused("denial", operation, refusal)
+        return operation
+
+
+# What a person can do about each refusal: a refusal that names no next step
+# leaves them guessing.
+_NEXT_STEP = {
+    "proposal_hash_mismatch": "the hash is not the one of this call: show the approval again"
+    " and approve the hash it shows now",
+    "not_an_approver": "this call needs an approver holding one of the roles {roles}",
+    "duplicate_approver": "you approved it already; it waits for {missing} more approver(s)",
+    "requester_cannot_approve": "the person who asked may not approve their own call:"
+    " ask another approver",
+    "expired": "the approval expired and the call will not run: the host must propose it again",
+    "approval_consumed": "the call was decided already ({state})",
+    "unknown_approval": "no such approval request for this operation",
+}
+
+
+def _refused(what: str, operation: Operation, refusal: str) -> ApprovalRefused:
+    approval = operation.approval
+    hint = _NEXT_STEP.get(refusal, "").format(
+        roles=", ".join(approval.approver_roles) if approval else "-",
+        missing=max(0, approval.required_approvals - len(operation.approvers)) if approval else 0,
+        state=operation.state.value,
+    )
+    return ApprovalRefused(
+        f"{what} refused: {refusal}" + (f" ({hint})" if hint else ""),
+        operation_id=operation.id,
+        reason=refusal,
+    )
 
 
 def _open_approval_id(operation: Operation) -> str:

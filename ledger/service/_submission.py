@@ -79,10 +79,17 @@ def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "")
 
 
 def effect_preview(
-    contract: ToolContract, decision: Decision, context: RuntimeContext
+    contract: ToolContract,
+    decision: Decision,
+    context: RuntimeContext,
+    checker: ProposalChecker | None = None,
 ) -> dict[str, Any]:
-    """What an approver sees: the exact effect, not "run the tool?" (seed 001)."""
+    """What an approver sees: the exact effect, not "run the tool?" (seed 001), with
+    the resources it acts on as the host's systems name them (`checker`'s resolver)."""
+    shown, total = checker.affected_targets(decision, context) if checker else ([], 0)
     return {
+        "targets": [target.as_dict() for target in shown],
+        "targets_total": total,
         "tool": contract.name,
         "tool_version": contract.version,
         "summary": contract.description.summary,
@@ -399,9 +406,10 @@ class Submissions:
         else:
             operation.request_approval(
                 approval_id=f"apr-{uuid.uuid4().hex[:16]}",
-                effect_preview=effect_preview(contract, decision, context),
+                effect_preview=effect_preview(contract, decision, context, self._checker),
                 approver_roles=list(decision.approval.approver_roles),
                 required_approvals=decision.approval.required_approvals,
+                required_from=dict(decision.approval.required_from),
                 separation_of_duties=decision.approval.separation_of_duties,
                 expires_at=now + timedelta(seconds=decision.approval.expires_in_s),
                 reason=decision.approval.reason,

@@ -33,13 +33,23 @@ def approval_requirement(
     else:
         reason = "this tool always needs approval"
     required = policy.approvals_for(risk)
-    if required == 2 and policy.two_person_from is not None:
+    if (
+        policy.two_person_from is not None
+        and risk.at_least(policy.two_person_from)
+        and required == 2
+    ):
         reason += (
             f"; risk {risk.value} reaches the two-person threshold {policy.two_person_from.value}"
         )
+    elif required > 1 and policy.mode is not ApprovalMode.TWO_PERSON:
+        reason += f"; {required} distinct approvers"
+    if policy.required_from:
+        shares = ", ".join(f"{n} {r}" for r, n in sorted(policy.required_from.items()))
+        reason += f" (at least {shares})"
     return ApprovalRequirement(
         approver_roles=policy.approver_roles,
         required_approvals=required,
+        required_from=dict(policy.required_from),
         separation_of_duties=policy.separation_of_duties,
         expires_in_s=policy.expires_after_s,
         reason=reason,

@@ -14,7 +14,7 @@ from policy._check._authorization import check_authorization
 from policy._check._budget import check_budget
 from policy._check._parse import DEFAULT_LIMITS, ArgumentLimits, parse_arguments
 from policy._check._risk import assess_risk
-from policy._check._semantics import check_semantics
+from policy._check._semantics import AffectedTarget, check_semantics, describe_targets
 from policy._check._structure import CompiledSchema, apply_defaults
 from policy._contract import ToolContract
 from policy._ports import BudgetCounter, SemanticRule, TargetResolver
@@ -190,6 +190,22 @@ class ProposalChecker:
             **_checked(proposal, contract, normalized, applied, hashed, risk, reasons),
             approval=requirement,
             repair=self._repair_status(proposal, contract, exhausted=False),
+        )
+
+    def affected_targets(
+        self, decision: Decision, context: RuntimeContext, *, limit: int = 50
+    ) -> tuple[list[AffectedTarget], int]:
+        """What a checked call acts on, for an approver: its targets resolved through the
+        host's resolver (names, titles), at most `limit` of them, and how many in all.
+
+        Kept off the `Decision` on purpose: the host and its model see IDs only, the
+        approver sees who they are.
+        """
+        contract = self.catalog.get(decision.tool)
+        if contract is None or decision.normalized_arguments is None:
+            return [], 0
+        return describe_targets(
+            contract, decision.normalized_arguments, context, self._resolver, limit=limit
         )
 
     def refuse(self, proposal: ToolProposal, issues: Sequence[ValidationIssue]) -> Decision:

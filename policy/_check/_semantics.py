@@ -9,6 +9,7 @@ is reported exactly like one that does not exist.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -17,7 +18,7 @@ from policy._contract import TargetRule, ToolContract
 from policy._ports import AmbiguousTarget, SemanticInput, SemanticRule, Target, TargetResolver
 from schemas import CheckStage, ErrorCategory, RuntimeContext, ValidationIssue
 
-__all__ = ["check_semantics"]
+__all__ = ["AffectedTarget", "check_semantics", "describe_targets"]
 
 
 def _issue(
@@ -179,3 +180,56 @@ def check_semantics(
     for rule_fn in rules:
         issues.extend(rule_fn(semantic_input))
     return targets, issues
+
+
+_LABELS = ("name", "title", "display_name")
+"""Attributes that name a target for a person, in order of preference."""
+
+
+@dataclass(frozen=True, slots=True)
+class AffectedTarget:
+    """A resource a call acts on, as an approver should see it: which argument names
+    it, its kind and ID, and what the host's own systems call it."""
+
+    argument: str
+    kind: str
+    id: str
+    label: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """As JSON-able data (kept in the approval request's effect preview)."""
+        return {"argument": self.argument, "kind": self.kind, "id": self.id, "label": self.label}
+
+
+def describe_targets(
+    contract: ToolContract,
+    arguments: Mapping[str, Any],
+    context: RuntimeContext,
+    resolver: TargetResolver | None,
+    *,
+    limit: int = 50,
+) -> tuple[list[AffectedTarget], int]:
+    """The first `limit` targets of an already checked call, resolved for people, and
+    how many there are in all. For the approval screen only: it runs after the check
+    passed, so every target resolves in the caller's tenant."""
+    shown: list[AffectedTarget] = []
+    total = 0
+    if resolver is None:
+        return shown, total
+    for rule in contract.targets:
+        for pointer, target_id in _expand(arguments, rule.argument):
+            if target_id is MISSING or target_id is None:
+                continue
+            total += 1
+            if len(shown) >= limit:
+                continue
+            found = resolver.resolve(rule.kind, str(target_id), context)
+            target = found if isinstance(found, Target) and found.tenant == context.tenant else None
+            label = None
+            if target is not None:
+                label = next(
+                    (str(target.attributes[a]) for a in _LABELS if target.attributes.get(a)),
+                    None,
+                )
+            shown.append(AffectedTarget(pointer, rule.kind, str(target_id), label))
+    return shown, total

@@ -438,14 +438,18 @@ def test_mounted_files_are_the_generated_ones(generated: Any) -> None:
                 assert mount.generated is not None, f"{name} mounts {mount.source}"
                 assert mount.read_only, f"{name} mounts {mount.source} writable"
                 mounted.add(mount.generated)
-    # Used outside compose: agent hosts', auditors' seeds, and the manifest.
+    # Used outside compose: agent hosts', auditors', approvers' seeds, and the manifest.
     outside = {
         f
         for f in written
-        if f == "creds/identities.json" or f.startswith(("creds/host-", "creds/auditor-"))
+        if f == "creds/identities.json"
+        or f.startswith(("creds/host-", "creds/auditor-", "creds/approver-"))
     }
     assert mounted == written - outside
-    assert outside == {"creds/identities.json", "creds/host-agent.nk", "creds/auditor-auditor.nk"}
+    assert outside == {
+        "creds/identities.json", "creds/host-agent.nk", "creds/auditor-auditor.nk",
+        "creds/approver-lead.nk",
+    }
 
 
 def test_each_service_sees_only_its_own_generated_files() -> None:

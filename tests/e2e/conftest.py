@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,9 +144,13 @@ def backend_stack(
     tools: Sequence[str] = tuple(sorted(SAMPLE_TOOLS)),
     contracts: Path = CATALOG_DIR,
     service_options: Sequence[str] = (),
+    approvers: Mapping[str, Sequence[str]] | None = None,
 ) -> Iterator[BackendStack]:
     """A running stack whose ledger service writes to `backend` ("sqlite" or "postgres",
-    a fresh schema, dropped afterwards); no executors until a test starts them."""
+    a fresh schema, dropped afterwards); no executors until a test starts them.
+
+    `approvers`: approver identity -> the roles the service gives it (an identity
+    mapped to no role exists, and holds none)."""
     if backend == "sqlite":
         storage = StorageConfig.sqlite(home / "ledger.db")
         database = ["--database", str(home / "ledger.db")]
@@ -154,15 +158,18 @@ def backend_stack(
         storage = postgres_storage_or_skip()
         database = ["--database", storage.postgres_dsn or "",
                     "--postgres-schema", storage.postgres_schema]
+    approvers = approvers or {}
     credentials = generate_credentials(
-        home / "creds", hosts=hosts, tools=tools, auditors=("auditor",), operators=("ops-lead",)
+        home / "creds", hosts=hosts, tools=tools, auditors=("auditor",), operators=("ops-lead",),
+        approvers=sorted(approvers),
     )
+    roles = [f"--approver={name}={','.join(held)}" for name, held in approvers.items() if held]
     server = NatsServer(home / "nats", authorization=credentials.authorization_config)
     server.start()
     service = subprocess.Popen(
         [sys.executable, "-m", "ledger.server", *database, "--nats-url", server.url,
          "--creds", str(credentials.ledger.seed_path), "--tools", ",".join(tools),
-         "--contracts", str(contracts), *service_options],
+         "--contracts", str(contracts), *roles, *service_options],
         stdout=(home / "service.log").open("wb"), stderr=subprocess.STDOUT,
     )
     stack = BackendStack(home, storage, server, credentials, service, contracts)

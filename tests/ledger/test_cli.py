@@ -450,10 +450,16 @@ def test_approvals_show_explains_the_effect_for_people(
     assert fields["Expires"].endswith(" UTC")
     assert f"Proposal hash: {ledger_ids['proposal_hash']}" in out
     assert (
-        f"--role support_lead --proposal-hash {ledger_ids['proposal_hash']}" in out
+        f"approve op-email --approver YOUR_NAME --proposal-hash {ledger_ids['proposal_hash']}"
+        in out
     )
+    # Whom it reaches, as the host's systems name them, not only `cus-0001`.
+    assert "It acts on:\n  customer cus-0001: Alice\n" in out
 
     data = _json(capsys, "approvals", "show", "op-email")
+    assert data["targets"] == [
+        {"argument": "/recipient_ids/0", "kind": "customer", "id": "cus-0001", "label": "Alice"}
+    ]
     assert data["effect"] == "irreversible_write"
     assert data["reversible"] is False
     assert data["arguments"] == EMAIL_ARGUMENTS
@@ -479,7 +485,8 @@ def test_approve_with_the_wrong_hash_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = _run(
-        capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
+        capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "bob",
+        "--role", "support_lead",
         "--proposal-hash", "f" * 64,
     )
 
@@ -489,7 +496,9 @@ def test_approve_with_the_wrong_hash_is_refused(
     data = _json(capsys, "ops", "show", "op-email")
     assert data["state"] == "awaiting_approval"
     assert data["timeline"][-1]["type"] == "ApprovalRefused"
-    assert data["timeline"][-1]["summary"] == "approval by bob refused: proposal_hash_mismatch"
+    assert data["timeline"][-1]["summary"] == (
+        "approval by bob (break glass) refused: proposal_hash_mismatch"
+    )
 
 
 def test_the_requester_cannot_approve_their_own_call(
@@ -497,7 +506,8 @@ def test_the_requester_cannot_approve_their_own_call(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, _, err = _run(
-        capsys, "approvals", "approve", "op-email", "--as", "alice", "--role", "support_lead",
+        capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "alice",
+        "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
     )
 
@@ -510,13 +520,15 @@ def test_approve_with_the_right_hash_by_another_user_makes_it_ready(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = _run(
-        capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
+        capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "bob",
+        "--role", "support_lead",
         "--role", "auditor", "--proposal-hash", ledger_ids["proposal_hash"],
     )
 
     assert (code, err) == (0, "")
     assert out == (
-        "approved op-email as bob (1 of 1 approvals): it is ready to run (state ready)\n"
+        "approved op-email as bob (break glass) (1 of 1 approvals): it is ready to run"
+        " (state ready)\n"
     )
     data = _json(capsys, "ops", "show", "op-email")
     assert data["state"] == "ready"
@@ -530,12 +542,14 @@ def test_approve_json_reports_the_new_state(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     data = _json(
-        capsys, "approvals", "approve", "op-email", "--as", "bob", "--role", "support_lead",
+        capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "bob",
+        "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
     )
 
     assert data == {
-        "operation_id": "op-email", "decision": "approved", "by": "bob", "state": "ready",
+        "operation_id": "op-email", "decision": "approved", "by": "bob", "via": "break_glass",
+        "state": "ready",
         "approval_id": ledger_ids["approval_id"], "approved_by": ["bob"], "required_approvals": 1,
     }
 
@@ -545,18 +559,20 @@ def test_deny_stops_the_operation(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = _run(
-        capsys, "approvals", "deny", "op-email", "--as", "bob", "--reason", "wrong customer"
+        capsys, "approvals", "deny", "op-email", "--break-glass", "--as", "bob", "--role",
+        "support_lead", "--reason", "wrong customer",
     )
 
     assert (code, err) == (0, "")
-    assert out == "denied op-email as bob: it will not run (state approval_denied)\n"
+    assert out == "denied op-email as bob (break glass): it will not run (state approval_denied)\n"
     data = _json(capsys, "ops", "show", "op-email")
     assert data["state"] == "approval_denied"
     assert data["outcome"] == {"status": "approval_denied", "by": "bob"}
-    assert data["timeline"][-1]["summary"] == "denied by bob: wrong customer"
+    assert data["timeline"][-1]["summary"] == "denied by bob (break glass): wrong customer"
 
     code, _, err = _run(
-        capsys, "approvals", "approve", "op-email", "--as", "carol", "--role", "support_lead",
+        capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "carol",
+        "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
     )
     assert code == 2
@@ -569,7 +585,8 @@ def test_approve_of_an_unknown_operation_exits_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = _run(
-        capsys, "approvals", "approve", "op-nope", "--as", "bob", "--role", "support_lead",
+        capsys, "approvals", "approve", "op-nope", "--break-glass", "--as", "bob",
+        "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
     )
 

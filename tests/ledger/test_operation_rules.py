@@ -106,6 +106,79 @@ def test_two_person_policy_needs_two_distinct_approvers() -> None:
     assert op.approvers == ["bob", "carol"]
 
 
+def _m_of_n(required: int, shares: dict[str, int], roles: tuple[str, ...]) -> Operation:
+    op = _awaiting()
+    assert op.approval is not None
+    op.approval = dataclasses.replace(
+        op.approval, required_approvals=required, required_from=shares, approver_roles=roles
+    )
+    op.collect_events()
+    return op
+
+
+def _grant(op: Operation, approver: str, *roles: str) -> str | None:
+    return op.grant_approval(
+        approval_id="apr-1", approver=approver, approver_roles=frozenset(roles),
+        proposal_hash="h", now=T0, via="nats",
+    )
+
+
+def test_three_of_n_runs_only_on_the_third_distinct_approver() -> None:
+    op = _m_of_n(3, {}, ("lead",))
+    assert _grant(op, "bob", "lead") is None
+    assert _grant(op, "carol", "lead") is None
+    assert op.state is S.AWAITING_APPROVAL
+    assert _grant(op, "carol", "lead") == "duplicate_approver"
+    assert op.state is S.AWAITING_APPROVAL
+    assert _grant(op, "dave", "lead") is None
+    assert cast(S, op.state) is S.READY
+    granted = [e for e in op.collect_events() if type(e).__name__ == "ApprovalGranted"]
+    assert [(e.approver, e.approver_roles, e.via) for e in granted] == [  # type: ignore[attr-defined]
+        ("bob", ["lead"], "nats"), ("carol", ["lead"], "nats"), ("dave", ["lead"], "nats")
+    ]
+
+
+def test_named_roles_are_filled_by_distinct_people() -> None:
+    """Three approvers, one of them from compliance and one from finance: a person who
+    holds both roles counts for one of them only."""
+    op = _m_of_n(3, {"compliance": 1, "finance": 1}, ("lead", "compliance", "finance"))
+    assert _grant(op, "both", "compliance", "finance") is None
+    assert _grant(op, "bob", "lead") is None
+    assert _grant(op, "carol", "lead") is None
+    # Three people, but compliance and finance rest on one: not yet.
+    assert op.state is S.AWAITING_APPROVAL
+    assert _grant(op, "fin", "finance") is None
+    assert cast(S, op.state) is S.READY  # `both` fills compliance, `fin` finance
+
+
+def test_a_role_share_can_be_filled_by_reassigning_who_counts_for_what() -> None:
+    # The first approver holds both roles and is first matched to compliance; the
+    # second holds compliance only, so the first must move to finance.
+    op = _m_of_n(2, {"compliance": 1, "finance": 1}, ("compliance", "finance"))
+    assert _grant(op, "both", "compliance", "finance") is None
+    assert _grant(op, "comp", "compliance") is None
+    assert op.state is S.READY
+
+
+def test_deny_by_someone_without_an_approver_role_is_refused_and_recorded() -> None:
+    op = _awaiting()
+    op.collect_events()
+    refusal = op.deny_approval(
+        approval_id="apr-1", approver="mallory", approver_roles=frozenset({"viewer"}),
+        reason="no", now=T0, via="nats",
+    )
+    assert refusal == "not_an_approver"
+    (event,) = op.collect_events()
+    assert (type(event).__name__, event.decision, event.approver) == (  # type: ignore[attr-defined]
+        "ApprovalRefused", "deny", "mallory"
+    )
+    assert op.state is S.AWAITING_APPROVAL
+    assert op.deny_approval(
+        approval_id="apr-1", approver="bob", approver_roles=APPROVER, reason="no", now=T0
+    ) is None
+    assert cast(S, op.state) is S.APPROVAL_DENIED
+
+
 def test_each_claim_gets_a_larger_fencing_token_and_history_keeps_every_lease() -> None:
     op = _executing()
     assert op.fencing_token == 1

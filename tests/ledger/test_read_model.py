@@ -30,7 +30,9 @@ def denied(storage: StorageConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ledger = make_ledger(storage)
     ledger.submit(email("op-mail"), ALICE)
     ledger.submit(search("op-read"), ALICE)
-    ledger.deny("op-mail", approver="bob", reason="wrong customer")
+    ledger.deny(
+        "op-mail", approver="bob", approver_roles=["support_lead"], reason="wrong customer"
+    )
     ledger.refresh()
     use_storage(monkeypatch, tmp_path, storage)
     return ledger
@@ -96,7 +98,8 @@ def test_rebuild_leaves_the_seal_alone(denied: Ledger, capsys: Any) -> None:
 def test_ops_list_is_current_without_writing(denied: Ledger, capsys: Any) -> None:
     denied.submit(email("op-later"), ALICE)  # projected by the budget check, not sealed
     # Written by a command-line approver while no service projects the view.
-    code, _, _ = cli(capsys, "approvals", "deny", "op-later", "--as", "bob")
+    code, _, _ = cli(capsys, "approvals", "deny", "op-later", "--break-glass", "--as", "bob",
+                     "--role", "support_lead")
     assert code == 0
     view_before = _view(denied)
     positions_before = denied.db.query("SELECT * FROM opledger_positions ORDER BY name")

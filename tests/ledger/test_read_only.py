@@ -26,8 +26,9 @@ READ_COMMANDS = [
 ]
 WRITE_COMMANDS = [
     ["ops", "rebuild"],
-    ["approvals", "approve", "op-1", "--as", "bob", "--role", "r", "--proposal-hash", "f" * 64],
-    ["approvals", "deny", "op-1", "--as", "bob"],
+    ["approvals", "approve", "op-1", "--break-glass", "--as", "bob", "--role", "r",
+     "--proposal-hash", "f" * 64],
+    ["approvals", "deny", "op-1", "--break-glass", "--as", "bob", "--role", "r"],
 ]
 ALL_COMMANDS = READ_COMMANDS + WRITE_COMMANDS
 

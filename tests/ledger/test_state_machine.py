@@ -105,7 +105,10 @@ BUILDERS: dict[OperationState, Callable[[], Operation]] = {
     S.AWAITING_APPROVAL: _awaiting,
     S.APPROVAL_DENIED: lambda: _with(
         _awaiting,
-        lambda op: op.deny_approval(approval_id="apr-1", approver="bob", reason="", now=T0),
+        lambda op: op.deny_approval(
+            approval_id="apr-1", approver="bob", approver_roles=frozenset({"approver"}),
+            reason="", now=T0,
+        ),
     ),
     S.APPROVAL_EXPIRED: lambda: _with(_awaiting, lambda op: op.expire_approval(LATER)),
     S.READY: _ready,
@@ -193,7 +196,8 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
         now=T0,
     ),
     "deny_approval": lambda op: op.deny_approval(
-        approval_id="apr-1", approver="bob", reason="", now=T0
+        approval_id="apr-1", approver="bob", approver_roles=frozenset({"approver"}), reason="",
+        now=T0,
     ),
     "expire_approval": lambda op: op.expire_approval(LATER),
     "claim_lease": lambda op: op.claim_lease(executor="e2", ttl=timedelta(seconds=30), now=T0),

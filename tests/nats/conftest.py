@@ -32,6 +32,7 @@ TOOLS = ("search_documents", "send_customer_email")
 HOSTS = ("h1", "other")
 AUDITORS = ("auditor",)
 OPERATORS = ("ops-lead", "other-op")
+APPROVERS = ("lead", "other-ap")
 ACK_WAIT_S = 5.0
 MAX_DELIVER = 3
 CALL_TIMEOUT_S = 1.0
@@ -124,7 +125,8 @@ def nats_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsEnv]:
     """A server on a free port with least-privilege users and the topology declared."""
     base: Path = tmp_path_factory.mktemp("nats")
     credentials = generate_credentials(
-        base / "creds", hosts=HOSTS, tools=TOOLS, auditors=AUDITORS, operators=OPERATORS
+        base / "creds", hosts=HOSTS, tools=TOOLS, auditors=AUDITORS, operators=OPERATORS,
+        approvers=APPROVERS,
     )
     legacy = generate_credentials(base / "legacy", hosts=(), tools=TOOLS[:1], auditors=AUDITORS)
     twins = "".join(user_entry(i) for i in legacy.identities if i.role is not Role.LEDGER)

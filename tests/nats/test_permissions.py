@@ -400,7 +400,7 @@ def no(role: Role, name: str, what: str, action: Action, violation: str) -> Case
 
 
 EXEC, HOST, AUDITOR, LEDGER = Role.EXECUTOR, Role.HOST, Role.AUDITOR, Role.LEDGER
-OPERATOR = Role.OPERATOR
+OPERATOR, APPROVER = Role.OPERATOR, Role.APPROVER
 
 CASES: list[Case] = [
     # executor of search_documents
@@ -455,6 +455,31 @@ CASES: list[Case] = [
        'subscription to "_inbox.>"'),
     no(OPERATOR, "ops-lead", "read-stream-info", lambda c: stream_info(c, FEED_STREAM),
        'publish to "$js.api.stream.info.ops_feed"'),
+    # approver lead: its own decision subject, nothing else; nobody else may use it
+    ok(APPROVER, "lead", "request-own-approve",
+       lambda c: request_served(c, Subjects.approve("lead"))),
+    no(APPROVER, "lead", "approve-as-another-approver",
+       lambda c: request_served(c, Subjects.approve("other-ap"), check=False),
+       'publish to "ops.approve.other-ap"'),
+    no(APPROVER, "lead", "operate-as-an-operator",
+       lambda c: request_served(c, Subjects.operate("ops-lead"), check=False),
+       'publish to "ops.operate.ops-lead"'),
+    no(APPROVER, "lead", "propose-as-a-host",
+       lambda c: request_served(c, Subjects.propose("h1"), check=False),
+       'publish to "ops.propose.h1"'),
+    no(APPROVER, "lead", "subscribe-all-inboxes", subscribe_all_inboxes,
+       'subscription to "_inbox.>"'),
+    no(APPROVER, "lead", "read-stream-info", lambda c: stream_info(c, FEED_STREAM),
+       'publish to "$js.api.stream.info.ops_feed"'),
+    no(HOST, "h1", "approve-as-an-approver",
+       lambda c: request_served(c, Subjects.approve("lead"), check=False),
+       'publish to "ops.approve.lead"'),
+    no(OPERATOR, "ops-lead", "approve-as-an-approver",
+       lambda c: request_served(c, Subjects.approve("lead"), check=False),
+       'publish to "ops.approve.lead"'),
+    no(EXEC, SEARCH, "approve-as-an-approver",
+       lambda c: request_served(c, Subjects.approve("lead"), check=False),
+       'publish to "ops.approve.lead"'),
     no(HOST, "h1", "cancel-as-another-host",
        lambda c: request_served(c, Subjects.cancel("other"), check=False),
        'publish to "ops.cancel.other"'),

@@ -33,10 +33,14 @@ def test_permissions_are_exactly_the_documented_ones() -> None:
     assert permissions_for(Role.LEDGER, "ledger") == Permissions(
         publish=("$JS.API.>", "ops.exec.>", "ops.feed.>", "ops.outcome.>", "$JS.ACK.>"),
         subscribe=(
-            "ops.propose.*", "ops.status.*", "ops.cancel.*", "ops.operate.*", "ops.lease.*",
+            "ops.propose.*", "ops.status.*", "ops.cancel.*", "ops.operate.*", "ops.approve.*",
+            "ops.lease.*",
             "_INBOX_ledger_ledger.>",
         ),
         allow_responses=ResponsePermission(max=1, expires="2m"),
+    )
+    assert permissions_for(Role.APPROVER, "lead") == Permissions(
+        publish=("ops.approve.lead",), subscribe=("_INBOX_approver_lead.>",),
     )
     assert permissions_for(Role.OPERATOR, "ops-lead") == Permissions(
         publish=("ops.operate.ops-lead",), subscribe=("_INBOX_operator_ops-lead.>",),

@@ -254,6 +254,37 @@ def test_two_person_from_combines_with_an_approval_threshold() -> None:
     assert wide.approval is not None and wide.approval.required_approvals == 2
 
 
+def test_a_contract_asks_for_n_approvers_some_from_named_roles() -> None:
+    contract = make_contract(
+        approval={
+            "mode": "always", "approver_roles": ["lead", "compliance"],
+            "required_approvals": 3, "required_from": {"compliance": 1},
+        }
+    )
+    decision = _checker(contract).check(_proposal({"query": "ok"}), CONTEXT)
+    assert decision.approval is not None
+    assert (decision.approval.required_approvals, decision.approval.required_from) == (
+        3, {"compliance": 1}
+    )
+    assert "3 distinct approvers (at least 1 compliance)" in decision.approval.reason
+
+
+@pytest.mark.parametrize(
+    ("approval", "message"),
+    [
+        ({"required_from": {"finance": 1}}, "not an approver role"),
+        ({"required_from": {"approver": 0}}, "asks for 0 approvers"),
+        ({"required_approvals": 0}, "greater than or equal to 1"),
+        ({"required_approvals": 21}, "less than or equal to 20"),
+    ],
+)
+def test_an_m_of_n_policy_that_cannot_be_met_is_refused(
+    approval: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_contract(approval={"mode": "always", **approval})
+
+
 def test_forbidden_tool_is_rejected_as_policy_denied() -> None:
     contract = make_contract(approval={"mode": "forbidden"})
     decision = _checker(contract).check(_proposal({"query": "ok"}), CONTEXT)
