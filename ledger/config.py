@@ -165,6 +165,12 @@ class Settings(BaseSettings):
         if self.nats_url is not None:
             _check_nats_url(self.nats_url)
         for approver, roles in (self.approver_roles or {}).items():
+            if any(not role or role != role.strip() for role in roles):
+                raise ConfigError(
+                    f"approver_roles gives {approver!r} a blank role or one with spaces"
+                    " around it",
+                    setting="approver_roles",
+                )
             try:
                 check_token(approver)  # the same rule as the approver's subject
             except ValueError:

@@ -31,7 +31,7 @@ from ledger.domain.values import (
 )
 from schemas import CANCELLED_BEFORE_EFFECT, RECONCILE_UNSUPPORTED, ResultOutcome, RiskLevel
 
-__all__ = ["ALLOWED", "Operation", "Refusal"]
+__all__ = ["ALLOWED", "Operation", "Refusal", "same_person"]
 
 S = OperationState
 
@@ -41,6 +41,19 @@ _DEFAULT_PLAN = ReconcilePlan()
 
 class Refusal(str):
     """The reason an approval was refused (also recorded as an event)."""
+
+
+def same_person(name: str) -> str:
+    """A name as compared for separation of duties and distinct approvers: without
+    outer or doubled spaces and case-folded, so `Alice`, `alice` and ` alice` are
+    one person whichever way their approval came (NATS identity, a token's
+    subject, a break-glass `--as`). The names are recorded as given."""
+    return " ".join(name.split()).casefold()
+
+
+def _check_approver_name(approver: str) -> None:
+    if not same_person(approver):
+        raise InvalidArgument("an approver has a name")
 
 
 # Which states each command may start from. The aggregate enforces it and the
@@ -865,8 +878,10 @@ class Operation(BaseAggregate[str]):
     ) -> Refusal | None:
         """Approve; returns the refusal reason (recorded as an event) when refused.
 
-        `via` says how the approver's word reached the ledger (`nats`, `break_glass`).
+        `via` says how the approver's word reached the ledger (`nats`, `web`,
+        `break_glass`).
         """
+        _check_approver_name(approver)
         if self.state not in ALLOWED["grant_approval"] or self.approval is None:
             raise IllegalTransition(
                 f"cannot grant approval to an operation that is {self.state.value}",
@@ -920,11 +935,12 @@ class Operation(BaseAggregate[str]):
             return Refusal("proposal_hash_mismatch")
         if now >= self.approval.expires_at:
             return Refusal("expired")
-        if self.approval.separation_of_duties and approver == self.actor:
+        person = same_person(approver)
+        if self.approval.separation_of_duties and person == same_person(self.actor):
             return Refusal("requester_cannot_approve")
         if not approver_roles & set(self.approval.approver_roles):
             return Refusal("not_an_approver")
-        if approver in self.approvers:
+        if person in {same_person(given) for given in self.approvers}:
             return Refusal("duplicate_approver")
         return None
 
@@ -940,10 +956,16 @@ class Operation(BaseAggregate[str]):
     ) -> Refusal | None:
         """Deny the call; it will never run. Only an approver of this request may:
         anyone else's denial is refused, recorded, and its reason returned."""
+        _check_approver_name(approver)
         self._guard("deny_approval")
         assert self.approval is not None
         if approval_id != self.approval.approval_id:
             raise IllegalTransition("no such approval request", operation_id=self.id)
+        if now >= self.approval.expires_at:
+            # Past its expiry the request is over whoever speaks first: it expired,
+            # as it would have at the next sweep, and was not denied.
+            self._trigger(self.ApprovalExpired, now, approval_id=self.approval.approval_id)
+            return Refusal("expired")
         held = approver_roles & set(self.approval.approver_roles)
         if not held:
             refusal = Refusal("not_an_approver")

@@ -59,6 +59,18 @@ class Approval:
             assign(person, set())
         return len(holder) == len(shares)
 
+    def still_needed(self, given: Sequence[ApprovalGiven]) -> str:
+        """What the request still waits for, for people: `2 more approver(s)`, or
+        `an approver holding compliance` once the count is reached but a named
+        role's share is not filled."""
+        if self.quorum_met(given):
+            return "nothing more"
+        missing = self.required_approvals - len(given)
+        if missing > 0:
+            return f"{missing} more approver(s)"
+        roles = " or ".join(sorted(self.required_from))
+        return f"an approver holding {roles}"
+
     def as_dict(self) -> dict[str, Any]:
         """As JSON-able data (for operators' views)."""
         return {

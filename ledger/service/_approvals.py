@@ -91,7 +91,7 @@ _NEXT_STEP = {
     "proposal_hash_mismatch": "the hash is not the one of this call: show the approval again"
     " and approve the hash it shows now",
     "not_an_approver": "this call needs an approver holding one of the roles {roles}",
-    "duplicate_approver": "you approved it already; it waits for {missing} more approver(s)",
+    "duplicate_approver": "you approved it already; it waits for {missing}",
     "requester_cannot_approve": "the person who asked may not approve their own call:"
     " ask another approver",
     "expired": "the approval expired and the call will not run: the host must propose it again",
@@ -104,7 +104,7 @@ def _refused(what: str, operation: Operation, refusal: str) -> ApprovalRefused:
     approval = operation.approval
     hint = _NEXT_STEP.get(refusal, "").format(
         roles=", ".join(approval.approver_roles) if approval else "-",
-        missing=max(0, approval.required_approvals - len(operation.approvers)) if approval else 0,
+        missing=approval.still_needed(operation.approvals_given) if approval else "-",
         state=operation.state.value,
     )
     return ApprovalRefused(

@@ -10,6 +10,7 @@ from typing import Any, cast
 import pytest
 
 from ledger import IllegalTransition, Operation, OperationState, ResultDisposition, TamperDetected
+from ledger.errors import InvalidArgument
 from ledger.domain.events import LedgerEvent
 from tests.ledger.test_state_machine import T0, _awaiting, _executing, _ready
 
@@ -177,6 +178,58 @@ def test_deny_by_someone_without_an_approver_role_is_refused_and_recorded() -> N
         approval_id="apr-1", approver="bob", approver_roles=APPROVER, reason="no", now=T0
     ) is None
     assert cast(S, op.state) is S.APPROVAL_DENIED
+
+
+@pytest.mark.parametrize("spelling", ["Alice", "ALICE", " alice", "alice ", "aLiCe"])
+def test_the_requester_cannot_approve_under_another_spelling(spelling: str) -> None:
+    op = _awaiting()  # requested by alice, separation of duties on
+    assert _grant(op, spelling, "approver") == "requester_cannot_approve"
+    assert op.state is S.AWAITING_APPROVAL
+
+
+def test_one_person_under_two_spellings_is_one_approver() -> None:
+    """fin-1 over NATS, FIN-1 on the page: one person, who counts once."""
+    op = _m_of_n(2, {}, ("finance",))
+    assert _grant(op, "fin-1", "finance") is None
+    assert _grant(op, " FIN-1", "finance") == "duplicate_approver"
+    assert op.state is S.AWAITING_APPROVAL
+    assert _grant(op, "fin-2", "finance") is None
+    assert cast(S, op.state) is S.READY
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_a_decision_without_a_name_is_not_taken(name: str) -> None:
+    op = _awaiting()
+    op.collect_events()
+    with pytest.raises(InvalidArgument):
+        _grant(op, name, "approver")
+    with pytest.raises(InvalidArgument):
+        op.deny_approval(approval_id="apr-1", approver=name, approver_roles=APPROVER,
+                         reason="", now=T0)
+    assert op.collect_events() == []
+
+
+def test_a_denial_after_the_approval_expired_expires_it() -> None:
+    op = _awaiting()
+    op.collect_events()
+    refusal = op.deny_approval(
+        approval_id="apr-1", approver="bob", approver_roles=APPROVER, reason="late",
+        now=T0 + timedelta(hours=1),
+    )
+    assert refusal == "expired"
+    assert _types(op) == ["ApprovalExpired"]
+    assert op.state is S.APPROVAL_EXPIRED
+
+
+def test_what_a_request_still_waits_for_names_the_missing_role() -> None:
+    op = _m_of_n(3, {"compliance": 1}, ("lead", "compliance"))
+    assert op.approval is not None
+    for name in ("a", "b", "c"):
+        assert op.approval.still_needed(op.approvals_given) in (
+            f"{3 - len(op.approvals_given)} more approver(s)",
+        )
+        assert _grant(op, name, "lead") is None
+    assert op.approval.still_needed(op.approvals_given) == "an approver holding compliance"
 
 
 def test_each_claim_gets_a_larger_fencing_token_and_history_keeps_every_lease() -> None:

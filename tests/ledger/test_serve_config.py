@@ -86,6 +86,43 @@ def test_host_tenants_come_from_the_file_or_the_environment(
     assert Settings().host_tenants == {"h1": frozenset({"acme"}), "h2": frozenset({"initech"})}
 
 
+def test_approver_roles_come_from_the_file_and_the_flags(home: Path) -> None:
+    from ledger.server.main import _approver_roles
+
+    _settings_file(home, '[approver_roles]\nlead = ["support_lead"]\n')
+    configured = Settings().approver_roles or {}
+    assert configured == {"lead": frozenset({"support_lead"})}
+    assert _approver_roles(configured, ["lead=finance", "fin-1=finance, audit"]) == {
+        "lead": frozenset({"support_lead", "finance"}),
+        "fin-1": frozenset({"finance", "audit"}),
+    }
+
+
+@pytest.mark.parametrize(
+    ("table", "flags", "message"),
+    [
+        ('lead = [" support_lead "]', [], "a blank role or one with spaces"),
+        ('lead = [""]', [], "a blank role or one with spaces"),
+        ("lead = []", [], "gives 'lead' no role"),
+        ('"a.b" = ["x"]', [], "not a valid identity name"),
+        ("", ["lead"], "names no role"),
+        ("", ["lead="], "names no role"),
+        ("", ["a.b=x"], "not a valid identity name"),
+    ],
+)
+def test_an_unusable_approver_role_is_refused_in_one_line(
+    home: Path, capsys: pytest.CaptureFixture[str], table: str, flags: list[str], message: str
+) -> None:
+    _settings_file(home, f"[approver_roles]\n{table}\n")
+    argv = ["--nats-url", "nats://127.0.0.1:1"]
+    for flag in flags:
+        argv += ["--approver", flag]
+    assert run_service_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "INVALID_CONFIG" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.anyio
 async def test_the_service_refuses_a_tenant_its_host_may_not_act_for(tmp_path: Path) -> None:
     ledger = make_ledger(StorageConfig.sqlite(tmp_path / "ledger.db"))
