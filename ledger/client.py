@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ledger._recent import Recent
 from schemas import (
@@ -264,7 +264,33 @@ class AgentHostClient:
             waiter.cancel()
 
 
-class OperatorClient:
+class _PersonClient:
+    """A person's connection to the ledger, on the one request subject of their own
+    identity: what they may do is the broker's grant, who they are its word."""
+
+    _subject: Callable[[str], str]
+
+    def __init__(self, nc: Client, name: str, *, timeout: float = 5.0) -> None:
+        self._nc = nc
+        self.name = check_token(name)
+        self._timeout = timeout
+
+    async def _send(self, request: BaseModel, attempts: int) -> OperationStatus:
+        data = await _request(
+            self._nc,
+            type(self)._subject(self.name),
+            request.model_dump_json().encode(),
+            attempts,
+            self._timeout,
+        )
+        return _status_or_refusal(data)
+
+    async def close(self) -> None:
+        """Drain and close the connection."""
+        await self._nc.drain()
+
+
+class OperatorClient(_PersonClient):
     """One operator's connection to the ledger: settle unknown outcomes, cancel.
 
     The operator's own NATS identity (`Role.OPERATOR`) may publish only to
@@ -273,10 +299,7 @@ class OperatorClient:
     Operation IDs are the ledger's (`<host>/<id>`), as `opledger ops` shows them.
     """
 
-    def __init__(self, nc: Client, name: str, *, timeout: float = 5.0) -> None:
-        self._nc = nc
-        self.name = check_token(name)
-        self._timeout = timeout
+    _subject = staticmethod(Subjects.operate)
 
     async def resolve(
         self, operation_id: str, *, applied: bool, reason: str, attempts: int = 3
@@ -294,22 +317,8 @@ class OperatorClient:
         request = OperatorRequest(command="cancel", operation_id=operation_id, reason=reason)
         return await self._send(request, attempts)
 
-    async def _send(self, request: OperatorRequest, attempts: int) -> OperationStatus:
-        data = await _request(
-            self._nc,
-            Subjects.operate(self.name),
-            request.model_dump_json().encode(),
-            attempts,
-            self._timeout,
-        )
-        return _status_or_refusal(data)
 
-    async def close(self) -> None:
-        """Drain and close the connection."""
-        await self._nc.drain()
-
-
-class ApproverClient:
+class ApproverClient(_PersonClient):
     """One approver's connection to the ledger: approve or deny calls.
 
     The approver's own NATS identity (`Role.APPROVER`) may publish only to
@@ -318,10 +327,7 @@ class ApproverClient:
     approver sends can claim another name or another role.
     """
 
-    def __init__(self, nc: Client, name: str, *, timeout: float = 5.0) -> None:
-        self._nc = nc
-        self.name = check_token(name)
-        self._timeout = timeout
+    _subject = staticmethod(Subjects.approve)
 
     async def approve(
         self, operation_id: str, *, proposal_hash: str, attempts: int = 1
@@ -344,20 +350,6 @@ class ApproverClient:
         """Deny the call: it will never run (`RequestRefused` if you may not)."""
         request = ApproverRequest(command="deny", operation_id=operation_id, reason=reason)
         return await self._send(request, attempts)
-
-    async def _send(self, request: ApproverRequest, attempts: int) -> OperationStatus:
-        data = await _request(
-            self._nc,
-            Subjects.approve(self.name),
-            request.model_dump_json().encode(),
-            attempts,
-            self._timeout,
-        )
-        return _status_or_refusal(data)
-
-    async def close(self) -> None:
-        """Drain and close the connection."""
-        await self._nc.drain()
 
 
 async def _request(

@@ -35,6 +35,7 @@ from ledger.nats.errors import (
     TopologyError,
     UnknownIdentity,
 )
+from ledger.web import NotAuthenticated
 from schemas import OpledgerError
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "NatsServerStartError",
     "NatsSetupError",
     "NoLedger",
+    "NotAuthenticated",
     "OperationConflict",
     "OperationNotFound",
     "OpledgerError",

@@ -101,6 +101,7 @@ from ledger.entrypoints.views import (
     report_view,
     timeline_entry,
 )
+from ledger.entrypoints.webpage import add_web_command
 from ledger.server.relay import read_set_aside
 from ledger.service import Ledger
 from schemas import ErrorCategory, OpledgerError
@@ -262,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
     add_process_commands(groups, common)
+    add_web_command(groups, common)
     _add_ops(groups, common)
     _add_audit(groups, common)
     _add_approvals(groups, common)

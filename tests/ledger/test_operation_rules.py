@@ -10,8 +10,8 @@ from typing import Any, cast
 import pytest
 
 from ledger import IllegalTransition, Operation, OperationState, ResultDisposition, TamperDetected
-from ledger.errors import InvalidArgument
 from ledger.domain.events import LedgerEvent
+from ledger.errors import InvalidArgument
 from tests.ledger.test_state_machine import T0, _awaiting, _executing, _ready
 
 S = OperationState
