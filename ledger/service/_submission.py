@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,12 +23,14 @@ from policy import ProposalChecker, ToolContract
 from schemas import (
     REPAIR_EXHAUSTED,
     REPAIR_TARGET_INVALID,
+    CanonicalizationError,
     CheckStage,
     Decision,
     DecisionOutcome,
     RuntimeContext,
     ToolProposal,
     ValidationIssue,
+    canonical_json,
     host_operation_id,
     ledger_operation_id,
     sha256_hex,
@@ -57,10 +60,36 @@ SubmitItem = tuple[ToolProposal, RuntimeContext] | tuple[ToolProposal, RuntimeCo
 def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "") -> str:
     """What makes two submissions "the same call" for idempotency.
 
-    Internal only (never compared across languages), so orjson with sorted
-    keys is enough; values orjson cannot encode (a huge integer) fall back to
-    their repr, which is still deterministic.
+    The arguments count by their meaning, not their bytes: the same arguments
+    as an object or as JSON text, with other whitespace or key order, are the
+    same call (RFC 8785 canonical JSON of the parsed value). Text that is not
+    JSON counts as the text it is; a value RFC 8785 cannot encode (an integer
+    past 2^53) falls back to the stored form's encoding (`_legacy_fingerprint`).
     """
+    arguments = proposal.arguments
+    if isinstance(arguments, str):
+        with contextlib.suppress(orjson.JSONDecodeError):  # not JSON: the text it is
+            arguments = orjson.loads(arguments)
+    body = {
+        "tool": proposal.tool_name,
+        "arguments": arguments,
+        "actor": context.principal,
+        "tenant": context.tenant,
+        "host": host,
+    }
+    if proposal.repairs is not None:
+        body["repairs"] = proposal.repairs
+    try:
+        return sha256_hex(b"v2:" + canonical_json(body))
+    except (CanonicalizationError, RecursionError):
+        # Past RFC 8785 (an integer past 2^53) or nested past what it walks: the
+        # check refuses such a call anyway; its ID still needs a stable fingerprint.
+        return _legacy_fingerprint(proposal, context, host)
+
+
+def _legacy_fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str) -> str:
+    """The fingerprint operations stored before it was canonical carry: the arguments'
+    bytes as sent (orjson, sorted keys). A retry of such an operation still matches it."""
     body = {
         "tool": proposal.tool_name,
         "arguments": proposal.arguments,
@@ -171,7 +200,7 @@ class Submissions:
                     answers[index] = Submission(operation_id, new[first][1].state, None, False)
                     continue
                 if operation_id in stored:
-                    existing = self._existing(operation_id, print_)
+                    existing = self._existing(operation_id, proposal, context, host)
                     if existing is not None:
                         answers[index] = existing
                         continue
@@ -224,7 +253,7 @@ class Submissions:
         if proposal.operation_id is not None:
             operation_id = ledger_operation_id(host, proposal.operation_id)
             try:
-                existing = self._existing(operation_id, fingerprint(proposal, context, host))
+                existing = self._existing(operation_id, proposal, context, host)
             except LedgerError as error:
                 return error
             if existing is not None:
@@ -271,12 +300,16 @@ class Submissions:
             )
         return target, target.repair_depth + 1, None
 
-    def _existing(self, operation_id: str, print_: str) -> Submission | None:
+    def _existing(
+        self, operation_id: str, proposal: ToolProposal, context: RuntimeContext, host: str
+    ) -> Submission | None:
         try:
             operation = self._runner.get(operation_id)
         except OperationNotFound:
             return None
-        if operation.fingerprint != print_:
+        if operation.fingerprint != fingerprint(proposal, context, host) and (
+            operation.fingerprint != _legacy_fingerprint(proposal, context, host)
+        ):
             raise _conflict(operation_id)
         return Submission(operation.id, operation.state, None, False)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from datetime import UTC, datetime, timedelta
-from typing import cast
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -77,6 +77,46 @@ def test_same_id_with_other_arguments_is_a_conflict_and_appends_nothing(ledger: 
         ledger.submit(search("op-1", query="something else"), ALICE)
     assert caught.value.to_info().category.value == "CONFLICT"
     assert len(ledger.history("op-1")) == 3
+
+
+@pytest.mark.parametrize(
+    "resent",
+    [
+        {"query": "refund policy", "top_k": 3},  # an object instead of text
+        '{"top_k":3,"query":"refund policy"}',  # other key order, no spaces
+        '  {\n  "query" : "refund policy",\n  "top_k" : 3.0 }  ',  # whitespace, 3.0 for 3
+    ],
+)
+def test_a_retry_counts_by_its_arguments_meaning_not_their_bytes(
+    ledger: Ledger, resent: Any
+) -> None:
+    """A host in another language resends the call: the same arguments, written as its
+    JSON library writes them. Before: OPERATION_CONFLICT unless byte for byte."""
+    first = ledger.submit(
+        proposal("search_documents", '{"query": "refund policy", "top_k": 3}',
+                 operation_id="op-1"), ALICE)
+    again = ledger.submit(proposal("search_documents", resent, operation_id="op-1"), ALICE)
+    assert (again.created, again.state) == (False, first.state)
+    assert len(ledger.history("op-1")) == 3
+    with pytest.raises(OperationConflict):  # what the call does still decides
+        ledger.submit(proposal("search_documents", '{"query": "refund policy", "top_k": 4}',
+                               operation_id="op-1"), ALICE)
+
+
+def test_a_retry_of_an_operation_stored_before_fingerprints_were_canonical_matches(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ledger.service import _submission
+
+    call = proposal("search_documents", '{"query": "refund policy",  "top_k": 3}',
+                    operation_id="op-old")
+    with monkeypatch.context() as before:  # stored by a ledger from before: bytes as sent
+        before.setattr(_submission, "fingerprint", _submission._legacy_fingerprint)
+        ledger.submit(call, ALICE)
+    assert ledger.get("op-old").fingerprint == _submission._legacy_fingerprint(call, ALICE, "")
+    again = ledger.submit(call, ALICE)
+    assert again.created is False
+    assert len(ledger.history("op-old")) == 3
 
 
 def test_a_conflict_in_a_batch_refuses_that_item_alone(ledger: Ledger) -> None:
