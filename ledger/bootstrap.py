@@ -164,7 +164,10 @@ def open_ledger(
     """
     problem = ledger_problem(storage)
     if problem is not None:
-        raise NoLedger(f"no ledger at {storage.describe()}: {problem}")
+        raise NoLedger(
+            f"no ledger at {storage.describe()}: {problem} (name another with --home or"
+            " --database, or start one with `opledger up`)"
+        )
     return build_ledger(
         storage.reading() if read_only else storage,
         contracts_dir=contracts_dir,

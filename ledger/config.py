@@ -30,7 +30,7 @@ from typing import Any
 
 from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -48,6 +48,7 @@ __all__ = [
     "ConfigError",
     "Settings",
     "config_file",
+    "find_home",
     "parse_database",
     "seconds_argument",
 ]
@@ -56,7 +57,20 @@ ENV_PREFIX = "OPLEDGER_"
 """The prefix of every environment variable opledger reads."""
 
 DEFAULT_HOME = Path(".opledger")
-"""The state directory when neither `--home` nor `OPLEDGER_HOME` is given."""
+"""The state directory's name: without `--home` or `OPLEDGER_HOME`, the nearest
+`.opledger` folder in the current folder or above it (`find_home`), else this one."""
+
+
+def find_home(start: Path | None = None) -> Path:
+    """The state directory a command uses when none is named: the nearest `.opledger`
+    folder in `start` (the current folder) or one of its parents, as git finds its
+    repository, so that `opledger` works from any folder under a stack; if there is
+    none, `.opledger` in `start` (where `opledger up` then creates it)."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / DEFAULT_HOME).is_dir():
+            return folder / DEFAULT_HOME
+    return here / DEFAULT_HOME
 
 CONFIG_FILE_NAME = "opledger.toml"
 """The optional settings file inside the home directory."""
@@ -86,8 +100,9 @@ class Settings(BaseSettings):
         use_attribute_docstrings=True,
     )
 
-    home: Path = DEFAULT_HOME
-    """The state directory (`OPLEDGER_HOME`); holds `opledger.toml` and the default database."""
+    home: Path = Field(default_factory=find_home)
+    """The state directory (`OPLEDGER_HOME`); holds `opledger.toml` and the default database.
+    Unset: the nearest `.opledger` in the current folder or above (`find_home`)."""
 
     database: str | None = None
     """A SQLite file path or a `postgresql://` DSN; unset means `<home>/ledger.db`."""
@@ -146,7 +161,7 @@ class Settings(BaseSettings):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        home = Path(data.get("home") or DEFAULT_HOME)
+        home = Path(data.get("home") or find_home())
         if not data.get("database"):
             data["database"] = str(home / "ledger.db")
         if not data.get("creds_dir"):
@@ -204,8 +219,8 @@ class Settings(BaseSettings):
 
 
 def config_file(home: Path | str | None) -> Path:
-    """The settings file of the home directory `home` (or of the default home)."""
-    return Path(home or DEFAULT_HOME) / CONFIG_FILE_NAME
+    """The settings file of the home directory `home` (or of the one `find_home` finds)."""
+    return Path(home or find_home()) / CONFIG_FILE_NAME
 
 
 def parse_database(database: str, postgres_schema: str = "") -> StorageConfig:

@@ -159,7 +159,8 @@ class Demo:
         proposal_hash = (reply.decision.proposal_hash if reply.decision else "") or ""
         self._say(f"  {ledger_op} is {reply.state}; the approver sees:")
         shown = self._cli("approvals", "show", ledger_op)
-        self._say("    " + "\n    ".join(shown.strip().splitlines()[:14]))
+        # The whole screen: what it acts on, the exact arguments, the hash approved.
+        self._say("    " + "\n    ".join(shown.strip().splitlines()))
         # As the approver identity `lead`, over NATS: the ledger gives `lead` its
         # roles from its own configuration.
         self._cli("approvals", "approve", ledger_op, "--approver", "lead",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from executors.samples import SAMPLE_TOOLS
+from ledger.config import find_home
 from ledger.nats import (
     CredentialsError,
     CredentialSet,
@@ -40,7 +41,9 @@ __all__ = [
     "SAMPLE_EXECUTORS",
     "EmbeddedStack",
     "StackInfo",
+    "StackNotRunning",
     "StackStartError",
+    "require_running_stack",
     "running_stack",
 ]
 
@@ -92,6 +95,25 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class StackNotRunning(OpledgerError):
+    """No embedded stack runs from the home directory; the message says where it looked."""
+
+    code = "STACK_NOT_RUNNING"
+
+
+def require_running_stack(home: Path | None = None) -> StackInfo:
+    """The stack running from `home` (default: the one `find_home` finds, as every
+    `opledger` command does), or `StackNotRunning` naming where it looked."""
+    home = (home or find_home()).resolve()
+    info = running_stack(home)
+    if info is None:
+        raise StackNotRunning(
+            f"no stack runs from {home}: start one with `opledger up` there,"
+            " or point OPLEDGER_HOME at the home of a running one"
+        )
+    return info
 
 
 def running_stack(home: Path) -> StackInfo | None:

@@ -51,6 +51,21 @@ def same_person(name: str) -> str:
     return " ".join(name.split()).casefold()
 
 
+_DOING = {
+    "deny_approval": "deny the approval",
+    "expire_approval": "expire the approval",
+    "request_approval": "ask for approval",
+    "claim_lease": "lease it",
+    "refuse_execution": "refuse to run",
+    "expire_lease": "expire the lease",
+    "record_result": "record a result",
+    "schedule_retry": "retry",
+    "request_cancel": "cancel",
+    "confirm_cancelled": "confirm the cancel",
+}
+"""What each guarded command does, as a person would say it (refusals are read by people)."""
+
+
 def _check_approver_name(approver: str) -> None:
     if not same_person(approver):
         raise InvalidArgument("an approver has a name")
@@ -733,8 +748,11 @@ class Operation(BaseAggregate[str]):
 
     def _guard(self, command: str) -> None:
         if self.state not in ALLOWED[command]:
+            doing = _DOING.get(command, command.replace("_", " "))
+            waits = "" if self.state in TERMINAL_STATES else " (it is still under way)"
             raise IllegalTransition(
-                f"cannot {command.replace('_', ' ')} an operation that is {self.state.value}",
+                f"cannot {doing} now: the operation is {self.state.value}{waits};"
+                " `opledger ops show` says what happened",
                 operation_id=self.id,
                 state=self.state.value,
                 command=command,

@@ -65,7 +65,7 @@ from ledger.audit.seal import SealKeyError, SignedHead, TrustedKeys
 from ledger.audit.verify import DEFAULT_SEAL_GRACE, Finding
 from ledger.bootstrap import open_ledger
 from ledger.config import ConfigError, Settings, seconds_argument
-from ledger.domain.errors import OperationNotFound
+from ledger.domain.errors import OperationNotFound, ResultIntegrityError
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 from ledger.entrypoints.approving import add_decision_arguments
@@ -470,7 +470,18 @@ def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
     data = operation_view(operation) | {
         "as_of": args.as_of,
         "timeline": [timeline_entry(event) for event in events],
+        "result": None,
+        "result_problem": None,
     }
+    if args.as_of is None and operation.outcome is not None:
+        # The kept result, as hosts get it (redacted by its executor), only if it
+        # still hashes to what its event recorded.
+        try:
+            result = ledger.status(operation.id).result
+        except ResultIntegrityError as error:
+            data["result_problem"] = error.message
+        else:
+            data["result"] = result.model_dump(mode="json") if result else None
     return Output(data, render_operation)
 
 

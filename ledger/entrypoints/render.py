@@ -42,6 +42,23 @@ def _compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
+def _result_fields(result: dict[str, Any] | None, problem: str | None) -> list[tuple[str, str]]:
+    """The kept result as hosts get it: its data (redacted by the executor), and how far
+    to trust it."""
+    if problem:
+        return [("result", f"withheld: {problem}")]
+    if not result:
+        return []
+    provenance = result.get("provenance") or {}
+    fields = [("result", _compact(result.get("data") if result.get("ok") else result.get("error")))]
+    trust = provenance.get("trust")
+    if trust:
+        fields.append(("result trust", f"{trust} (from {provenance.get('executor', '?')})"))
+    if result.get("redactions"):
+        fields.append(("redacted", ", ".join(result["redactions"])))
+    return fields
+
+
 def render_operations(rows: list[dict[str, Any]]) -> str:
     """`ops list` for people."""
     if not rows:
@@ -79,6 +96,7 @@ def render_operation(data: dict[str, Any]) -> str:
         ("attempts", f"{data['attempt']} of {data['max_attempts']}"),
         *(("lease", _lease_text(lease)) for lease in data["leases"]),
         ("outcome", _compact(data["outcome"])),
+        *_result_fields(data.get("result"), data.get("result_problem")),
     ]
     timeline = render_table(
         ("VERSION", "TYPE", "TIME (UTC)", "SUMMARY"),

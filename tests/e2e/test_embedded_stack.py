@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ledger.client import AgentHostClient
-from ledger.embedded import DEMO_HOST, EmbeddedStack, running_stack
+from ledger.embedded import DEMO_HOST, EmbeddedStack, require_running_stack, running_stack
 from ledger.nats import connect_as, load_credentials
 from schemas import RuntimeContext, ToolProposal
 
@@ -67,6 +67,12 @@ def test_embedded_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     pids = dict(info.pids)
     try:
         assert running_stack(home) == info
+        # As the README's tour finds it: from a folder under the stack's, with no home named.
+        inner = tmp_path / "agent" / "src"
+        inner.mkdir(parents=True)
+        monkeypatch.delenv("OPLEDGER_HOME", raising=False)
+        monkeypatch.chdir(inner)
+        assert require_running_stack() == info
         assert not info.nats_url.endswith(":4222")
         assert set(pids) == {"ledger"} | {f"executor-{t}" for t in stack.executors}
         # Secrets: the supervisor's never leak; only the e-mail executor gets its own.

@@ -21,6 +21,9 @@ ALICE = RuntimeContext(
 )
 
 
+NEXT_STEP = " (name another with --home or --database, or start one with `opledger up`)"
+"""What the refusal of a missing ledger says to do (`NO_LEDGER`)."""
+
 SEAL_KEY = SealKey.generate()
 """The seal key of every test ledger: it seals as the ledger service does (`refresh`)."""
 

@@ -17,6 +17,8 @@ from ledger.nats import generate_credentials
 from policy import InMemoryTargetResolver
 from policy.catalog import SAMPLE_RULES, sample_targets
 from schemas import RuntimeContext, ToolProposal
+from tests.ledger.helpers import ALICE as HELPER_ALICE
+from tests.ledger.helpers import NEXT_STEP, email, make_ledger
 
 ALICE = RuntimeContext(
     principal="alice",
@@ -163,7 +165,7 @@ def test_global_options_work_before_the_subcommand_too(
     code, out, err = _run(capsys, "--home", str(other_home), "ops", "list")
     assert (code, out) == (2, "")
     where = f"sqlite:{other_home / 'ledger.db'}"
-    assert err == f"error: NO_LEDGER: no ledger at {where}: no such file\n"
+    assert err == f"error: NO_LEDGER: no ledger at {where}: no such file{NEXT_STEP}\n"
     assert not (other_home / "ledger.db").exists()
 
     code, out, _ = _run(capsys, "ops", "list", "--database", str(home / "ledger.db"), "--json")
@@ -655,3 +657,75 @@ def test_an_unknown_key_in_the_toml_file_is_one_line(
         "error: INVALID_CONFIG: unknown setting 'databse' (check opledger.toml)"
         " (setting=databse)\n"
     )
+
+
+# ------------------------------------------------------------------- finding the home
+
+
+def test_a_command_finds_the_home_from_any_folder_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As git finds its repository. Before: from another folder `approvals list` said
+    there was nothing to approve (and an older version created an empty ledger)."""
+    for name in SETTINGS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    ledger = make_ledger(StorageConfig.sqlite(tmp_path / ".opledger" / "ledger.db"))
+    ledger.submit(email("op-email"), ALICE)
+    ledger.close()
+    deep = tmp_path / "projects" / "agent" / "src"
+    deep.mkdir(parents=True)
+    monkeypatch.chdir(deep)
+    pending = _json(capsys, "approvals", "list")
+    assert [p["operation_id"] for p in pending] == ["op-email"]
+    assert not (deep / ".opledger").exists()
+
+
+def test_no_home_anywhere_above_is_one_line_naming_where_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in SETTINGS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, "approvals", "list")
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        f"error: NO_LEDGER: no ledger at sqlite:{tmp_path / '.opledger' / 'ledger.db'}: no such"
+        " file (name another with --home or --database, or start one with `opledger up`)"
+    ), err
+    assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_no_running_stack_is_one_clear_error_not_an_attribute_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README tour's first line, run with no stack up. Before: `AttributeError:
+    'NoneType' object has no attribute 'nats_url'`."""
+    from ledger.embedded import StackNotRunning, require_running_stack
+
+    monkeypatch.delenv("OPLEDGER_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StackNotRunning) as caught:
+        require_running_stack()
+    assert str(tmp_path / ".opledger") in caught.value.message
+    assert "opledger up" in caught.value.message
+
+
+def test_ops_show_shows_the_kept_result_and_how_far_to_trust_it(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: only the result's hash. Now the data hosts get (redacted by the executor)."""
+    from tests.ledger.helpers import NO_HITS, result, search
+
+    ledger = make_ledger(StorageConfig.sqlite(home / "ledger.db"))
+    ledger.submit(search("op-found"), HELPER_ALICE)
+    grant = ledger.lease("op-found", executor="exec-1")
+    hits = {**NO_HITS, "next_cursor": "page-2-of-refunds"}
+    ledger.record_result(result("op-found", grant.fencing_token, data=hits))
+    ledger.close()
+    data = _json(capsys, "ops", "show", "op-found")
+    assert data["result"]["data"] == hits
+    assert data["result"]["provenance"]["trust"] == "untrusted"
+    code, out, _ = _run(capsys, "ops", "show", "op-found")
+    assert code == 0
+    assert "page-2-of-refunds" in out and "untrusted (from exec-1)" in out

@@ -232,6 +232,18 @@ def test_what_a_request_still_waits_for_names_the_missing_role() -> None:
     assert op.approval.still_needed(op.approvals_given) == "an approver holding compliance"
 
 
+def test_a_refused_command_says_why_in_words_and_where_to_look() -> None:
+    """Before: `cannot deny approval an operation that is succeeded`."""
+    op = _ready()
+    with pytest.raises(IllegalTransition) as caught:
+        op.deny_approval(approval_id="apr-1", approver="bob", approver_roles=APPROVER,
+                         reason="", now=T0)
+    assert caught.value.message == (
+        "cannot deny the approval now: the operation is ready (it is still under way);"
+        " `opledger ops show` says what happened"
+    )
+
+
 def test_each_claim_gets_a_larger_fencing_token_and_history_keeps_every_lease() -> None:
     op = _executing()
     assert op.fencing_token == 1

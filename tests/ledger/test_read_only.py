@@ -13,7 +13,7 @@ import pytest
 from ledger import StorageConfig
 from ledger.bootstrap import NoLedger, open_ledger
 from tests.conftest import drop_schema, postgres_storage_or_skip
-from tests.ledger.helpers import ALICE, cli, make_ledger, search, use_storage
+from tests.ledger.helpers import ALICE, NEXT_STEP, cli, make_ledger, search, use_storage
 
 READ_COMMANDS = [
     ["ops", "list"],
@@ -36,7 +36,7 @@ ALL_COMMANDS = READ_COMMANDS + WRITE_COMMANDS
 def _refused(capsys: Any, command: list[str], where: str, why: str) -> None:
     code, out, err = cli(capsys, *command)
     assert (code, out) == (2, ""), command
-    assert err == f"error: NO_LEDGER: no ledger at {where}: {why}\n", command
+    assert err == f"error: NO_LEDGER: no ledger at {where}: {why}{NEXT_STEP}\n", command
 
 
 @pytest.mark.parametrize("command", ALL_COMMANDS, ids=" ".join)
