@@ -104,6 +104,11 @@ class EventTableReader:
         )
         return int(rows[0][0]) if rows and rows[0][0] is not None else None
 
+    def last_position(self) -> int:
+        """The highest stored position (0 for an empty ledger)."""
+        rows = self._db.query(self.tables.last_position_sql())
+        return int(rows[0][0]) if rows and rows[0][0] is not None else 0
+
     def rows_after(self, position: int, limit: int) -> list[StoredRow]:
         """Up to `limit` stored rows after `position`, in position order."""
         column = self._position

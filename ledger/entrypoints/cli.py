@@ -50,7 +50,7 @@ import re
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,6 +69,7 @@ from ledger.domain.errors import OperationNotFound, ResultIntegrityError
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 from ledger.entrypoints.approving import add_decision_arguments
+from ledger.entrypoints.console import render_status, status_view, watch
 from ledger.entrypoints.parsing import (
     EXIT_BROKEN_PIPE,
     EXIT_FINDINGS,
@@ -157,6 +158,8 @@ class Output:
     exit_code: int = EXIT_OK
     to_stderr: bool = False
     """Print on stderr (when stdout carries the command's payload, as in `audit export`)."""
+    quiet: bool = False
+    """Nothing left to print (the command printed as it went, as `ops watch` does)."""
 
 
 Command = Callable[[Ledger, argparse.Namespace], Output]
@@ -185,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             return run(args, settings)
         with _open_ledger(settings, read_only=args.access == READ) as ledger:
             output = _run(args.command, ledger, args)
-        text = render_json(output.data) if as_json else output.render(output.data)
-        print(text, file=sys.stderr if output.to_stderr else sys.stdout)
+        if not output.quiet:
+            text = render_json(output.data) if as_json else output.render(output.data)
+            print(text, file=sys.stderr if output.to_stderr else sys.stdout)
     except OpledgerError as error:
         print(_error_text(error, as_json), file=sys.stderr)
         return EXIT_REFUSED
@@ -264,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
     add_process_commands(groups, common)
     add_web_command(groups, common)
+    status = _leaf(
+        groups,
+        "status",
+        "is it working, and does anything need a person: processes, work by state, the"
+        " relay, consumers' backlog",
+        common,
+        status_command,
+    )
+    del status
     _add_ops(groups, common)
     _add_audit(groups, common)
     _add_approvals(groups, common)
@@ -332,6 +345,16 @@ def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
         common,
         ops_resolve,
         WRITE,
+    )
+    watching = _leaf(actions, "watch", "follow events as they are stored", common, ops_watch)
+    watching.add_argument(
+        "--from-start", action="store_true", help="begin with the first event (default: new ones)"
+    )
+    watching.add_argument(
+        "--count", type=_positive, help="stop after N events (default: until Ctrl-C)"
+    )
+    watching.add_argument(
+        "--seconds", type=float, help="stop after this long (default: until Ctrl-C)"
     )
     resolve.add_argument("operation_id", metavar="OP_ID")
     happened = resolve.add_mutually_exclusive_group(required=True)
@@ -483,6 +506,25 @@ def ops_show(ledger: Ledger, args: argparse.Namespace) -> Output:
         else:
             data["result"] = result.model_dump(mode="json") if result else None
     return Output(data, render_operation)
+
+
+def status_command(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`status`: the operator's one screen (see `console`)."""
+    return Output(status_view(ledger, args.settings), render_status)
+
+
+def ops_watch(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops watch`: one line per event as it is stored (JSON lines with `--json`)."""
+    with suppress(KeyboardInterrupt):
+        watch(
+            ledger,
+            from_start=args.from_start,
+            count=args.count,
+            seconds=args.seconds,
+            as_json=bool(getattr(args, "json", False)),
+            emit=lambda line: print(line, flush=True),
+        )
+    return Output(None, lambda _: "", quiet=True)
 
 
 def ops_cancel(ledger: Ledger, args: argparse.Namespace) -> Output:

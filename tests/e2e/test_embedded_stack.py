@@ -110,6 +110,16 @@ def test_embedded_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         assert listed.stdout.splitlines()[1].split()[:3] == [
             "demo/op-up-1", "succeeded", "search_documents@2.1.0"
         ]
+        # `opledger status` from a folder under the home: every process, the backlog.
+        shown = subprocess.run(
+            [sys.executable, "-m", "ledger.entrypoints", "--json", "status"],
+            cwd=inner, capture_output=True, text=True, timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        status = json.loads(shown.stdout)
+        assert {n: p["alive"] for n, p in status["stack"]["processes"].items()} == dict.fromkeys(pids, True)
+        assert status["consumers"]["OPS_WORK/exec_search_documents"]["waiting"] == 0
+        assert status["operations"] == {"succeeded": 1}
     finally:
         stack.stop()
     assert running_stack(home) is None

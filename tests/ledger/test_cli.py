@@ -729,3 +729,41 @@ def test_ops_show_shows_the_kept_result_and_how_far_to_trust_it(
     code, out, _ = _run(capsys, "ops", "show", "op-found")
     assert code == 0
     assert "page-2-of-refunds" in out and "untrusted (from exec-1)" in out
+
+
+# -------------------------------------------------------------- the operator's console
+
+
+def test_status_says_what_needs_a_person_and_how_far_the_relay_is(
+    ledger_ids: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _json(capsys, "status")
+    assert data["needs_a_person"] == {
+        "awaiting_approval": 1, "outcome_unknown": 0, "needs_resolution": 0
+    }
+    assert data["operations"] == {"awaiting_approval": 1, "ready": 1}
+    assert data["events"] > 0 and data["relay"]["position"] is None  # no service ran yet
+    assert data["stack"] is None and data["consumers"] is None
+    code, out, _ = _run(capsys, "status")
+    assert code == 0
+    assert "needs a person: 1 awaiting_approval" in out
+    assert "opledger approvals list" in out
+    assert "stack     none runs from this home" in out
+
+
+def test_ops_watch_prints_each_event_once_in_order(
+    ledger_ids: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _run(capsys, "ops", "watch", "--from-start", "--count", "6")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert len(lines) == 6
+    assert [tuple(line.split()[2:5]) for line in lines] == [
+        ("op-search", "v1", "Proposed:"), ("op-search", "v2", "Validated:"),
+        ("op-search", "v3", "Readied:"), ("op-email", "v1", "Proposed:"),
+        ("op-email", "v2", "Validated:"), ("op-email", "v3", "ApprovalRequested:"),
+    ]
+    assert any("Proposed: alice proposed send_customer_email" in line for line in lines)
+    # --json: one JSON object a line; nothing new comes, so --seconds ends it.
+    code, out, _ = _run(capsys, "--json", "ops", "watch", "--seconds", "0.5")
+    assert (code, out) == (0, "")
