@@ -117,7 +117,8 @@ def test_embedded_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         )
         assert shown.returncode == 0, shown.stderr
         status = json.loads(shown.stdout)
-        assert {n: p["alive"] for n, p in status["stack"]["processes"].items()} == dict.fromkeys(pids, True)
+        alive = {name: p["alive"] for name, p in status["stack"]["processes"].items()}
+        assert alive == dict.fromkeys(pids, True)
         assert status["consumers"]["OPS_WORK/exec_search_documents"]["waiting"] == 0
         assert status["operations"] == {"succeeded": 1}
     finally:
