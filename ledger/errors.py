@@ -23,7 +23,7 @@ from ledger.domain.errors import (
     ResultIntegrityError,
     TamperDetected,
 )
-from ledger.embedded import StackStartError
+from ledger.embedded import StackNotRunning, StackStartError
 from ledger.nats.errors import (
     CredentialsError,
     FeedAccessDenied,
@@ -63,6 +63,7 @@ __all__ = [
     "ResultIntegrityError",
     "SealKeyError",
     "SealRefused",
+    "StackNotRunning",
     "StackStartError",
     "TamperDetected",
     "TopologyError",

@@ -94,6 +94,7 @@ from ledger.entrypoints.render import (
     render_report,
     render_table,
 )
+from ledger.entrypoints.tools import add_tools_command
 from ledger.entrypoints.views import (
     approval_view,
     decision_view,
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
     add_process_commands(groups, common)
     add_web_command(groups, common)
+    add_tools_command(groups, common)
     status = _leaf(
         groups,
         "status",

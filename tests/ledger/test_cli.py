@@ -767,3 +767,22 @@ def test_ops_watch_prints_each_event_once_in_order(
     # --json: one JSON object a line; nothing new comes, so --seconds ends it.
     code, out, _ = _run(capsys, "--json", "ops", "watch", "--seconds", "0.5")
     assert (code, out) == (0, "")
+
+
+def test_tools_export_offers_only_what_the_caller_may_call(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A host in another language learns the tools and their argument schemas from
+    here, not from policy/catalog/*.yaml."""
+    code, out, _ = _run(capsys, "tools", "export", "--format", "anthropic",
+                        "--capability", "documents:search", "--capability", "email:send")
+    assert code == 0
+    tools = {tool["name"]: tool for tool in json.loads(out)}
+    assert {"search_documents", "send_customer_email"} <= set(tools)
+    assert "delete_document" not in tools  # forbidden to agents: never offered
+    assert "query_orders" not in tools  # needs orders:read, not held
+    assert "query" in tools["search_documents"]["input_schema"]["required"]
+    code, out, _ = _run(capsys, "tools", "export", "--format", "mcp")
+    names = [tool["name"] for tool in json.loads(out)]
+    assert "query_orders" in names and "delete_document" not in names
+    assert all("inputSchema" in tool for tool in json.loads(out))
