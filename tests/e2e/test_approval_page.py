@@ -154,6 +154,22 @@ def _text(browser: Any, css: str) -> str:
     return str(browser.find_element(By.CSS_SELECTOR, css).text)
 
 
+def _arrive(browser: Any, path: str) -> None:
+    """Wait until the browser shows a page under `path` (a click on a form's button
+    returns before the next page has loaded)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(browser, 15).until(lambda b: path in b.current_url
+                                         and b.execute_script("return document.readyState")
+                                         == "complete")
+    except TimeoutException:
+        # Say where the browser is instead, and what the page says (a refusal, say).
+        text = browser.find_element("tag name", "main").text[:1500]
+        raise AssertionError(f"not at {path}: at {browser.current_url}: {text}") from None
+
+
 def _log_in(browser: Any, url: str, token: str) -> None:
     from selenium.webdriver.common.by import By
 
@@ -161,6 +177,7 @@ def _log_in(browser: Any, url: str, token: str) -> None:
     assert "/login" in browser.current_url
     browser.find_element(By.ID, "token").send_keys(token)
     browser.find_element(By.ID, "sign-in").click()
+    _arrive(browser, "/approvals")
 
 
 async def test_an_approver_logs_in_sees_the_effect_approves_and_it_runs(
@@ -176,6 +193,7 @@ async def test_an_approver_logs_in_sees_the_effect_approves_and_it_runs(
     assert "h1/op-page" in queue and "yours to decide" in queue
 
     browser.find_element(By.LINK_TEXT, "h1/op-page").click()
+    _arrive(browser, "/approvals/h1/op-page")
     # The real effect: who receives it (the host's name for cus-0001), what runs,
     # why it is risky, who asked in which conversation, the hash being approved.
     assert "cus-0001: Alice" in _text(browser, "#targets")
@@ -192,12 +210,14 @@ async def test_an_approver_logs_in_sees_the_effect_approves_and_it_runs(
     browser.save_screenshot(str(shots / "approval-page.png"))
 
     browser.find_element(By.ID, "approve").click()
+    _arrive(browser, "/operations/h1/op-page")
     assert _text(browser, "#decided") == "Your decision (approve) is recorded."
     for _ in range(150):  # the page follows the operation (it refreshes every 2 s)
         if _text(browser, "#state") == "succeeded":
             break
         time.sleep(0.2)
         browser.refresh()
+        _arrive(browser, "/operations/h1/op-page")
     assert _text(browser, "#state") == "succeeded", stack.log("service.log")
     assert "approved by lead-ana as support_lead on the approval page" in _text(
         browser, "#timeline")
