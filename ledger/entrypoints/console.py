@@ -48,9 +48,17 @@ def status_view(ledger: Ledger, settings: Settings) -> dict[str, Any]:
         "SELECT state, COUNT(*) FROM opledger_operations GROUP BY state"
     ):
         counts[str(state)] = int(count)
-    # What the view has not taken in yet counts too (no service may be projecting).
-    for row in ledger.projector.unprojected().values():
+    # What the view has not taken in yet counts as it is now (no service may be
+    # projecting): an operation the view holds at an older state moves, not doubles.
+    pending = ledger.projector.unprojected()
+    for _, state in ledger.db.query_in(
+        "SELECT operation_id, state FROM opledger_operations WHERE operation_id IN ({marks})",
+        list(pending),
+    ):
+        counts[str(state)] -= 1
+    for row in pending.values():
         counts[row["state"]] = counts.get(row["state"], 0) + 1
+    counts = {state: n for state, n in counts.items() if n}
     last = ledger.event_reader.last_position()
     relay = _relay_position(ledger)
     set_aside = read_set_aside(ledger.db)

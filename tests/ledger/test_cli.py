@@ -786,3 +786,17 @@ def test_tools_export_offers_only_what_the_caller_may_call(
     names = [tool["name"] for tool in json.loads(out)]
     assert "query_orders" in names and "delete_document" not in names
     assert all("inputSchema" in tool for tool in json.loads(out))
+
+
+def test_status_counts_an_operation_the_view_has_not_caught_up_with_once(
+    ledger_ids: dict[str, str], home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The view holds op-search as ready (projected); its newer events, not projected
+    yet (no service runs), make it executing: it counts once, as executing. Before:
+    once as ready and once as executing (found by a fresh-clone CI run)."""
+    ledger = make_ledger(StorageConfig.sqlite(home / "ledger.db"))
+    ledger.lease("op-search", executor="exec-1")  # appended, the view not refreshed
+    ledger.close()
+    assert _json(capsys, "status")["operations"] == {
+        "awaiting_approval": 1, "executing": 1
+    }
