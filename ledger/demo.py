@@ -308,8 +308,8 @@ class Demo:
             )
             await self.step(
                 "approved e-mail",
-                "a high-risk e-mail waits for approval, is"
-                " approved from the CLI and sent exactly once",
+                "a high-risk e-mail waits for approval, is approved from the CLI as the"
+                " approver identity lead (over NATS) and sent exactly once",
                 self.approved_email,
             )
             await self.step(
