@@ -43,6 +43,7 @@ __all__ = [
     "StackInfo",
     "StackNotRunning",
     "StackStartError",
+    "process_alive",
     "require_running_stack",
     "running_stack",
 ]
@@ -87,7 +88,8 @@ class StackInfo:
     """nats-server's HTTP monitoring URL, if the stack was started with the monitor on."""
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0: nothing is sent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -123,7 +125,7 @@ def running_stack(home: Path) -> StackInfo | None:
         info = StackInfo(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    return info if _alive(info.supervisor_pid) else None
+    return info if process_alive(info.supervisor_pid) else None
 
 
 def _die_with_parent() -> None:

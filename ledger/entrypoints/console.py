@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,7 +85,7 @@ def _relay_position(ledger: Ledger) -> int | None:
 
 
 def _stack_view(home: Path) -> dict[str, Any] | None:
-    from ledger.embedded import running_stack
+    from ledger.embedded import process_alive, running_stack
 
     info = running_stack(home)
     if info is None:
@@ -94,19 +93,11 @@ def _stack_view(home: Path) -> dict[str, Any] | None:
     return {
         "nats_url": info.nats_url,
         "supervisor_pid": info.supervisor_pid,
-        "processes": {name: {"pid": pid, "alive": _alive(pid)} for name, pid in info.pids.items()},
+        "processes": {
+            name: {"pid": pid, "alive": process_alive(pid)} for name, pid in info.pids.items()
+        },
         "logs": dict(info.logs),
     }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _consumers(settings: Settings) -> dict[str, Any] | None:

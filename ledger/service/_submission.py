@@ -70,15 +70,7 @@ def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "")
     if isinstance(arguments, str):
         with contextlib.suppress(orjson.JSONDecodeError):  # not JSON: the text it is
             arguments = orjson.loads(arguments)
-    body = {
-        "tool": proposal.tool_name,
-        "arguments": arguments,
-        "actor": context.principal,
-        "tenant": context.tenant,
-        "host": host,
-    }
-    if proposal.repairs is not None:
-        body["repairs"] = proposal.repairs
+    body = _call(proposal, context, host, arguments)
     try:
         return sha256_hex(b"v2:" + canonical_json(body))
     except (CanonicalizationError, RecursionError):
@@ -87,12 +79,14 @@ def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "")
         return _legacy_fingerprint(proposal, context, host)
 
 
-def _legacy_fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str) -> str:
-    """The fingerprint operations stored before it was canonical carry: the arguments'
-    bytes as sent (orjson, sorted keys). A retry of such an operation still matches it."""
+def _call(
+    proposal: ToolProposal, context: RuntimeContext, host: str, arguments: Any
+) -> dict[str, Any]:
+    """What a fingerprint covers: the tool, the arguments, who, for which tenant, from
+    which host, and the repaired proposal."""
     body = {
         "tool": proposal.tool_name,
-        "arguments": proposal.arguments,
+        "arguments": arguments,
         "actor": context.principal,
         "tenant": context.tenant,
         "host": host,
@@ -100,6 +94,13 @@ def _legacy_fingerprint(proposal: ToolProposal, context: RuntimeContext, host: s
     if proposal.repairs is not None:
         # Only when set, so that the fingerprints of calls stored before stay as they were.
         body["repairs"] = proposal.repairs
+    return body
+
+
+def _legacy_fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str) -> str:
+    """The fingerprint operations stored before it was canonical carry: the arguments'
+    bytes as sent (orjson, sorted keys). A retry of such an operation still matches it."""
+    body = _call(proposal, context, host, proposal.arguments)
     try:
         encoded = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     except TypeError:
