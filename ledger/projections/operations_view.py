@@ -128,9 +128,17 @@ class OperationsProjector:
         # Views made before the column existed get it empty; the lease sweep
         # treats an empty one as "look at the operation itself".
         if db.is_postgres:
-            db.execute(
-                "ALTER TABLE opledger_operations ADD COLUMN IF NOT EXISTS lease_expires_at TEXT"
+            # Look before altering: even `ADD COLUMN IF NOT EXISTS` takes an exclusive
+            # lock on the table, and a second handle opened while the service writes
+            # (an operator's command, a test's) deadlocked against the service's inserts.
+            present = db.query(
+                "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()"
+                " AND table_name = 'opledger_operations' AND column_name = 'lease_expires_at'"
             )
+            if not present:
+                db.execute(
+                    "ALTER TABLE opledger_operations ADD COLUMN IF NOT EXISTS lease_expires_at TEXT"
+                )
             return
         columns = {row[1] for row in db.query("PRAGMA table_info(opledger_operations)")}
         if "lease_expires_at" not in columns:
