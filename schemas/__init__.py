@@ -9,7 +9,7 @@ same shapes are published as Draft 2020-12 JSON Schema files in
 `schemas/json/`, so a host written in any language can take part.
 """
 
-from schemas._canonical import canonical_json, proposal_hash, sha256_hex
+from schemas._canonical import DIGEST_PATTERN, canonical_json, proposal_hash, sha256_hex
 from schemas._decision import (
     REPAIR_EXHAUSTED,
     REPAIR_TARGET_INVALID,
@@ -71,6 +71,7 @@ from schemas._subjects import (
 
 __all__ = [
     "CANCELLED_BEFORE_EFFECT",
+    "DIGEST_PATTERN",
     "FEED_AUDITOR_CONSUMER",
     "FEED_STREAM",
     "OPERATION_ID_PATTERN",

@@ -17,7 +17,7 @@ import rfc8785
 
 from schemas._exceptions import CanonicalizationError
 
-__all__ = ["canonical_json", "proposal_hash", "sha256_hex"]
+__all__ = ["DIGEST_PATTERN", "canonical_json", "proposal_hash", "sha256_hex"]
 
 _SAFE_INT = 2**53 - 1
 _SURROGATES_START = "\ud800"
@@ -69,6 +69,10 @@ def canonical_json(value: Any) -> bytes:
         return rfc8785.dumps(value)
     except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:
         raise CanonicalizationError(str(exc)) from None
+
+
+DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+"""What `sha256_hex` writes: a proposal hash, an event or head digest."""
 
 
 def sha256_hex(data: bytes) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from schemas._base import WireModel
+from schemas._canonical import DIGEST_PATTERN
 from schemas._decision import Decision
 from schemas._errors import ErrorInfo
 from schemas._proposal import RuntimeContext, ToolProposal
@@ -174,7 +175,7 @@ class ApproverRequest(WireModel):
     operation_id: str = Field(pattern=OPERATION_ID_PATTERN, description="The ledger's ID.")
     proposal_hash: str | None = Field(
         default=None,
-        pattern=r"^[0-9a-f]{64}$",
+        pattern=DIGEST_PATTERN,
         description="For `approve`: the hash of the call as shown (required).",
     )
     reason: str = Field(default="", max_length=500)

@@ -106,7 +106,7 @@ from ledger.entrypoints.views import (
 from ledger.entrypoints.webpage import add_web_command
 from ledger.server.relay import read_set_aside
 from ledger.service import Ledger
-from schemas import ErrorCategory, OpledgerError
+from schemas import DIGEST_PATTERN, ErrorCategory, OpledgerError
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -599,7 +599,7 @@ class FeedUnavailable(OpledgerError):
     code = "FEED_UNAVAILABLE"
 
 
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST = re.compile(DIGEST_PATTERN)
 _POSITIONED = re.compile(r"^(\d+):([0-9a-f]{64})$")
 
 

@@ -16,7 +16,6 @@ import hashlib
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +38,7 @@ from ledger.entrypoints.views import approval_view, pending_view, timeline_entry
 from ledger.service import Ledger
 from ledger.web._auth import Approver, NotAuthenticated, TokenVerifier
 from ledger.web._csrf import CsrfGuard
+from schemas import DIGEST_PATTERN
 
 __all__ = ["SESSION_COOKIE", "WebOptions", "build_web_app"]
 
@@ -49,7 +49,7 @@ SESSION_COOKIE = "opledger_session"
 """The session cookie's name; `__Host-` is put in front of it with secure cookies
 (the browser then keeps it to this exact host and path, over HTTPS only)."""
 _LOGIN_COOKIE = "opledger_login"
-_PROPOSAL_HASH = re.compile(r"^[0-9a-f]{64}$")
+_PROPOSAL_HASH = re.compile(DIGEST_PATTERN)
 _DECISIONS = frozenset({"approve", "deny"})
 _MAX_BODY = 64 * 1024
 """A form here is a hash, a token and a reason: anything larger is not one of ours."""
@@ -78,9 +78,6 @@ class WebOptions:
     public_origin: str | None = None
     """The origin browsers see (`https://approvals.example`), for the check of a form
     post's `Origin` behind a proxy that rewrites `Host`; None: the request's `Host`."""
-
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 def build_web_app(ledger: Ledger, options: WebOptions) -> Starlette:
