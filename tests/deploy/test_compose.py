@@ -12,7 +12,12 @@ Docker does not run here, so this checks what can be checked without it:
   and its own secrets), and the generated nats configs pass `nats-server -t`
   and actually form a JetStream cluster that takes the ledger's topology with
   three replicas;
-- the two ledger instances share one database and ask for three replicas.
+- the two ledger instances share one database and ask for three replicas;
+- the approval page publishes no port, and the proxy (the only way to it)
+  forwards to it with the origin the page checks; its token settings accept a
+  token from the generated key, with roles the catalog's contracts ask for;
+- Grafana is provisioned with the Prometheus datasource and a dashboard whose
+  every query names metrics (and labels) the project's registries expose.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import nats.errors
 import pytest
 import yaml
 from jsonschema import Draft202012Validator
+from prometheus_client.metrics import MetricWrapperBase
 
 from executors import ExecutorMetrics, Tool, load_contract, load_secrets, load_tool
 from executors import _main as executor_main
@@ -50,6 +56,7 @@ from executors.samples import SAMPLE_TOOLS
 from ledger.config import ENV_PREFIX, Settings
 from ledger.domain.operation import ALLOWED, Operation
 from ledger.domain.states import OperationState
+from ledger.entrypoints import cli as opledger_cli
 from ledger.nats import (
     Role,
     connect_as,
@@ -61,6 +68,15 @@ from ledger.nats import (
 )
 from ledger.server import main as ledger_main
 from ledger.server.metrics import LedgerMetrics
+from ledger.web import (
+    LOCAL_AUDIENCE,
+    LOCAL_ISSUER,
+    LocalSigner,
+    NotAuthenticated,
+    TokenSettings,
+    TokenVerifier,
+)
+from policy import ApprovalMode, ContractRegistry
 from schemas import (
     FEED_AUDITOR_CONSUMER,
     FEED_STREAM,
@@ -78,6 +94,8 @@ DOCKERFILE = REPO / "Dockerfile"
 GENERATOR = REPO / "deploy" / "generate.py"
 GENERATED = "./deploy/generated/"
 """Where the compose file expects the generator's output (`generate.py deploy/generated`)."""
+COMMITTED = ("./deploy/grafana/", "./deploy/proxy/")
+"""Hand-written configuration the compose file mounts: committed, with no secret in it."""
 
 
 def _load_generator() -> ModuleType:
@@ -219,6 +237,11 @@ def expected_own_files() -> dict[str, set[str]]:
     """Service → exactly the generated files it may see."""
     own: dict[str, set[str]] = {node: {f"nats/{node}.conf"} for node in gen.NATS_NODES}
     own["postgres"] = {"postgres/password"}
+    # The page records decisions in the ledger's database; it checks tokens
+    # against the public half of the key pair only.
+    own["approvals"] = {"postgres/pgpass", "web/signing-key.pub.pem"}
+    own["proxy"] = set()
+    own["grafana"] = {"grafana/admin-password"}
     for ledger in gen.LEDGER_SERVICES:
         own[ledger] = {"creds/ledger-ledger.nk", "postgres/pgpass"}
     for name, spec in SAMPLE_TOOLS.items():
@@ -240,15 +263,20 @@ def test_compose_file_names_the_production_topology() -> None:
         "postgres",
         *gen.LEDGER_SERVICES,
         *(gen.executor_service(tool) for tool in SAMPLE_TOOLS),
+        "approvals",
+        "proxy",
         "prometheus",
+        "grafana",
     }
     assert len(NATS_NODES) == 3
     assert len(LEDGERS) == 2
     assert SERVICES["postgres"]["image"].startswith("postgres:16")
     assert SERVICES["prometheus"]["image"].startswith("prom/prometheus")
+    assert SERVICES["grafana"]["image"].startswith("grafana/grafana:")
+    assert SERVICES["proxy"]["image"].startswith("caddy:")
     for node in NATS_NODES:
         assert SERVICES[node]["image"].startswith("nats:")
-    assert set(OUR_IMAGE) == {*LEDGERS, *EXECUTORS}
+    assert set(OUR_IMAGE) == {*LEDGERS, *EXECUTORS, "approvals"}
 
 
 def test_only_loopback_ports_are_published() -> None:
@@ -257,7 +285,9 @@ def test_only_loopback_ports_are_published() -> None:
     }
     assert published == {
         ("nats-1", f"127.0.0.1:{gen.CLIENT_PORT}:{gen.CLIENT_PORT}"),
+        ("proxy", f"127.0.0.1:{PROXY_PORT}:443"),
         ("prometheus", "127.0.0.1:9090:9090"),
+        ("grafana", "127.0.0.1:3000:3000"),
     }
 
 
@@ -267,7 +297,8 @@ def test_only_the_ledger_services_reach_the_database() -> None:
     for network in database_networks:
         assert COMPOSE["networks"][network].get("internal") is True
     reach = {n for n, s in SERVICES.items() if n != "postgres" and networks(s) & database_networks}
-    assert reach == set(LEDGERS)
+    # The approval page too: it records the decisions in the ledger itself.
+    assert reach == {*LEDGERS, "approvals"}
 
 
 def test_services_from_our_image_never_run_as_root() -> None:
@@ -434,21 +465,31 @@ def test_mounted_files_are_the_generated_ones(generated: Any) -> None:
     for name, service in SERVICES.items():
         for mount in mounts(service):
             if mount.is_bind:
-                # No hand-written configuration sneaks in beside the generated set.
-                assert mount.generated is not None, f"{name} mounts {mount.source}"
                 assert mount.read_only, f"{name} mounts {mount.source} writable"
+                if mount.source.startswith(COMMITTED):
+                    # Hand-written configuration: in the repository, without secrets.
+                    assert (REPO / mount.source).exists(), mount.source
+                    continue
+                # Nothing else sneaks in beside the generated set.
+                assert mount.generated is not None, f"{name} mounts {mount.source}"
                 mounted.add(mount.generated)
     # Used outside compose: agent hosts', auditors', approvers' seeds, and the manifest.
     outside = {
         f
         for f in written
-        if f == "creds/identities.json"
+        if f in ("creds/identities.json", "postgres/create-role.sql", "web/signing-key.pem")
         or f.startswith(("creds/host-", "creds/auditor-", "creds/approver-"))
     }
     assert mounted == written - outside
+    # Seeds of whoever connects from outside, the SQL for a PostgreSQL of one's own,
+    # and the page's private signing key (`opledger --home deploy/generated web token`).
     assert outside == {
-        "creds/identities.json", "creds/host-agent.nk", "creds/auditor-auditor.nk",
+        "creds/identities.json",
+        "creds/host-agent.nk",
+        "creds/auditor-auditor.nk",
         "creds/approver-lead.nk",
+        "postgres/create-role.sql",
+        "web/signing-key.pem",
     }
 
 
@@ -471,7 +512,7 @@ def test_generator_writes_private_files(generated: Any) -> None:
     assert stat.S_IMODE((out / "creds").stat().st_mode) == 0o700
     for path in generated.files:
         mode = stat.S_IMODE((out / path).stat().st_mode)
-        if path.name == "identities.json":
+        if path.name in ("identities.json", "signing-key.pub.pem"):
             continue  # public keys only, written with the process's umask
         if path.name == "prometheus.yml":
             assert mode == 0o644, oct(mode)  # no secret in it; Prometheus runs as nobody
@@ -893,3 +934,328 @@ def test_docs_links_resolve(name: str) -> None:
         if fragment and file.suffix == ".md":
             headings = re.findall(r"^#+ (.+)$", file.read_text(encoding="utf-8"), re.MULTILINE)
             assert fragment in {anchor(h) for h in headings}, f"{name}: {target}"
+
+
+# ------------------------------------------------------------ the approval page
+
+CADDYFILE = REPO / "deploy" / "proxy" / "Caddyfile"
+PROXY_PORT = 8443
+"""The proxy's published port on 127.0.0.1 (it listens on 443 in its container)."""
+
+
+def approvals_args() -> Namespace:
+    """The parsed arguments of the approval page service (`opledger web serve ...`)."""
+    command = SERVICES["approvals"]["command"]
+    assert command[:3] == ["python", "-m", "ledger.entrypoints"], command
+    args = parse(opledger_cli.build_parser(), command[3:], "approvals")
+    assert (args.group, args.action) == ("web", "serve"), command
+    return args
+
+
+def caddy_blocks(text: str) -> dict[str, list[str]]:
+    """Top-level Caddyfile blocks (`""` for the global options) → their directives.
+
+    Enough of the format for this file: one block per address line, directives
+    one per line, `#` comments; nested blocks are kept as their opening line.
+    """
+    blocks: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    depth = 0
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if depth == 0:
+            assert line.endswith("{"), f"not a block: {line}"
+            current = blocks.setdefault(line[:-1].strip(), [])
+            depth = 1
+            continue
+        if line == "}":
+            depth -= 1
+            continue
+        if depth == 1:
+            assert current is not None
+            current.append(line)
+        if line.endswith("{"):
+            depth += 1
+    assert depth == 0, "unbalanced braces"
+    return blocks
+
+
+def catalog_approver_roles(contracts: Path) -> set[str]:
+    """Every approver role a contract of the catalog asks for."""
+    registry = ContractRegistry.from_directory(contracts)
+    roles: set[str] = set()
+    for name in registry.names():
+        for version in registry.versions(name):
+            contract = registry.get(name, version)
+            assert contract is not None
+            if contract.approval.mode not in (ApprovalMode.NEVER, ApprovalMode.FORBIDDEN):
+                roles |= set(contract.approval.approver_roles)
+    return roles
+
+
+def test_the_approval_page_publishes_no_port_and_only_the_proxy_reaches_it() -> None:
+    page = SERVICES["approvals"]
+    assert "ports" not in page and "expose" not in page and "network_mode" not in page
+    # Internal networks only: the database, and the one it shares with the proxy.
+    for network in networks(page):
+        assert COMPOSE["networks"][network].get("internal") is True, network
+    page_side = networks(page) - networks(SERVICES["postgres"])
+    assert page_side == {"approvals"}
+    neighbours = {n for n, s in SERVICES.items() if networks(s) & page_side}
+    assert neighbours == {"approvals", "proxy"}
+    # The proxy is the one with a door to the outside.
+    proxy = SERVICES["proxy"]
+    assert [str(p) for p in proxy["ports"]] == [f"127.0.0.1:{PROXY_PORT}:443"]
+    assert any(not COMPOSE["networks"][n].get("internal") for n in networks(proxy))
+
+
+def test_the_proxy_forwards_to_the_page_with_the_origin_it_checks() -> None:
+    proxy = SERVICES["proxy"]
+    # The image's default command reads /etc/caddy/Caddyfile.
+    assert "command" not in proxy and "entrypoint" not in proxy
+    assert mount_at(proxy, "/etc/caddy/Caddyfile").source == "./deploy/proxy/Caddyfile"
+    blocks = caddy_blocks(CADDYFILE.read_text(encoding="utf-8"))
+    assert "admin off" in blocks.pop("")  # nobody on the network reconfigures it
+    ((site, directives),) = blocks.items()
+    assert not site.startswith("http://") and ":" not in site  # HTTPS on its port 443
+    assert any(d.startswith("tls ") for d in directives), directives
+    args = approvals_args()
+    host, _, port = args.listen.rpartition(":")
+    assert host == "0.0.0.0"  # in its own container, on the internal network only
+    assert f"reverse_proxy approvals:{port}" in directives
+    # What a browser's Origin is: the proxy's name and published port, over HTTPS,
+    # and the cookie follows suit.
+    assert args.public_origin == f"https://{site}:{PROXY_PORT}"
+    assert args.secure_cookies is True
+
+
+def test_the_approval_page_opens_the_production_ledger() -> None:
+    args = approvals_args()
+    page = SERVICES["approvals"]
+    assert args.database == ledger_args(LEDGERS[0]).database
+    environment = page["environment"]
+    assert mount_at(page, environment["PGPASSFILE"]).generated == "postgres/pgpass"
+    assert in_repo(environment["OPLEDGER_CONTRACTS_DIR"]) == in_repo(
+        str(ledger_args(LEDGERS[0]).contracts)
+    )
+    # It opens an existing ledger: the ledger service creates the tables.
+    assert set(page["depends_on"]) >= {"postgres", LEDGERS[0]}
+
+
+def test_the_approval_page_accepts_a_token_from_the_generated_key(generated: Any) -> None:
+    args = approvals_args()
+    page = SERVICES["approvals"]
+    assert mount_at(page, str(args.public_key)).generated == "web/signing-key.pub.pem"
+    assert args.jwks is None and args.jwks_url is None
+    # The generated pair is the one `opledger --home deploy/generated web token` signs with.
+    assert (args.issuer, args.audience) == (LOCAL_ISSUER, LOCAL_AUDIENCE)
+    role_map: dict[str, frozenset[str]] = {}
+    for flag in args.groups:
+        group, _, roles = flag.partition("=")
+        role_map[group] = frozenset(roles.split(","))
+    settings = TokenSettings(
+        issuer=args.issuer,
+        audience=args.audience,
+        public_key_pem=(generated.directory / "web" / "signing-key.pub.pem").read_text(),
+        user_claim=args.user_claim,
+        roles_claim=args.roles_claim,
+        role_map=role_map,
+    )
+    verifier = TokenVerifier(settings)
+    signer = LocalSigner(generated.directory / "web")
+    approver = verifier.verify(signer.token("lead-ana", ["support_lead"]))
+    assert approver.name == "lead-ana" and approver.roles == {"support_lead"}
+    # Every role a contract asks for can be held on the page, and nothing else is handed out.
+    mapped = {role for roles in role_map.values() for role in roles}
+    assert mapped == catalog_approver_roles(in_repo(str(ledger_args(LEDGERS[0]).contracts)))
+    # A token from another key is refused.
+    stranger = LocalSigner(generated.directory / "stranger")
+    with pytest.raises(NotAuthenticated):
+        verifier.verify(stranger.token("lead-ana", ["support_lead"]))
+
+
+# --------------------------------------------------------------------- Grafana
+
+GRAFANA = REPO / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "opledger.json"
+SYNTHETIC_SERIES = frozenset({"up"})
+"""Series Prometheus itself writes for every target: in no client registry."""
+PROMQL_WORDS = frozenset(
+    {
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+        "offset",
+    }
+)
+
+
+def _grafana_yaml(kind: str) -> tuple[Mount, dict[str, Any]]:
+    """The provisioning file of `kind` (datasources, dashboards) Grafana mounts, parsed."""
+    (mount,) = [
+        m
+        for m in mounts(SERVICES["grafana"])
+        if PurePosixPath(m.target).parent == PurePosixPath(f"/etc/grafana/provisioning/{kind}")
+    ]
+    assert mount.target.endswith((".yml", ".yaml")), mount.target
+    parsed: dict[str, Any] = yaml.safe_load((REPO / mount.source).read_text(encoding="utf-8"))
+    return mount, parsed
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard() -> None:
+    grafana = SERVICES["grafana"]
+    # The datasource: the prometheus service, on a network both join.
+    _, datasources = _grafana_yaml("datasources")
+    (source,) = datasources["datasources"]
+    url = urlsplit(source["url"])
+    assert source["type"] == "prometheus" and source["access"] == "proxy"
+    assert url.hostname == "prometheus" and networks(grafana) & networks(SERVICES["prometheus"])
+    prometheus_port = str(SERVICES["prometheus"]["ports"][0]).rsplit(":", 1)[1]
+    assert str(url.port) == prometheus_port
+    # The dashboards: the provider reads the directory the dashboard JSON is mounted at.
+    _, providers = _grafana_yaml("dashboards")
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file"
+    (directory,) = [m for m in mounts(grafana) if m.target == provider["options"]["path"]]
+    assert directory.read_only and (REPO / directory.source).resolve() == DASHBOARD.parent
+    # Every panel and query asks the provisioned datasource.
+    uids = {
+        target["datasource"]["uid"]
+        for panel in _panels()
+        for target in [panel, *panel.get("targets", [])]
+        if "datasource" in target
+    }
+    assert uids == {source["uid"]}
+    # Its admin password is generated, never the image's admin/admin.
+    password = grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"]
+    assert mount_at(grafana, password).generated == "grafana/admin-password"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]
+    assert not str(grafana["user"]).startswith(("0:", "root"))
+
+
+def _panels() -> list[dict[str, Any]]:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    panels: list[dict[str, Any]] = []
+    for panel in dashboard["panels"]:
+        panels += [panel, *panel.get("panels", [])]
+    return panels
+
+
+@dataclass(frozen=True)
+class Selector:
+    """One series selector of a PromQL expression: `name{label="value", ...}`."""
+
+    name: str
+    matchers: dict[str, str]
+
+
+def promql_parts(expr: str) -> tuple[list[Selector], set[str]]:
+    """The series selectors of `expr` and the labels its `by (...)` clauses name.
+
+    Enough PromQL for the dashboard's queries: selectors, label matchers, range
+    brackets (whose `$__rate_interval` is no series), function calls and grouping.
+    """
+    assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+    grouping: set[str] = set()
+    for clause in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+        grouping |= {label.strip() for label in clause.split(",") if label.strip()}
+    # Grouping and vector-matching clauses list labels, not series.
+    rest = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    rest = re.sub(r"\[[^\]]*\]", " ", rest)
+    selectors = []
+    for match in re.finditer(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{[^}]*\})?\s*(\()?", rest):
+        name, braces, call = match.groups()
+        if call or name in PROMQL_WORDS:
+            continue  # a function or an aggregation, not a series
+        matchers = {
+            label: value
+            for label, _, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', braces or "")
+        }
+        selectors.append(Selector(name, matchers))
+    return selectors, grouping
+
+
+def exposed_series(metrics: LedgerMetrics | ExecutorMetrics) -> dict[str, frozenset[str]]:
+    """Every series name the registry exposes (`_total`, `_bucket`, ...) → its labels.
+
+    A labelled metric exposes nothing until a child exists: one is made per metric,
+    so the names and labels are exactly what prometheus-client writes.
+    """
+    for value in vars(metrics).values():
+        if isinstance(value, MetricWrapperBase) and value._labelnames:
+            value.labels(*["x"] * len(value._labelnames))
+    return {
+        sample.name: frozenset(sample.labels)
+        for family in metrics.registry.collect()
+        for sample in family.samples
+    }
+
+
+def test_dashboard_queries_name_metrics_and_labels_the_registries_expose(
+    generated: Any,
+) -> None:
+    config = yaml.safe_load((generated.directory / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"] for job in config["scrape_configs"]}
+    by_job = {
+        "opledger-ledger": exposed_series(LedgerMetrics()),
+        "opledger-executors": exposed_series(ExecutorMetrics()),
+    }
+    assert set(by_job) == jobs
+    used: dict[str, set[str]] = {job: set() for job in jobs}
+    queries = [t for panel in _panels() for t in panel.get("targets", [])]
+    assert len(queries) >= 20
+    for target in queries:
+        expr = target["expr"]
+        selectors, grouping = promql_parts(expr)
+        assert selectors, expr
+        labels: set[str] = set()
+        for selector in selectors:
+            if selector.name in SYNTHETIC_SERIES:
+                assert set(re.findall(r'"([^"]*)"', str(selector.matchers))) <= {"opledger-.*"}
+                labels |= {"job", "instance"}
+                continue
+            # The ledger and the executors share names from different vantage points:
+            # every query says whose series it means.
+            job = selector.matchers.get("job")
+            assert job in by_job, f'{expr}: name job="opledger-ledger" or the executors'
+            series = by_job[job]
+            assert selector.name in series, f"{selector.name} is not exposed by {job}"
+            known = series[selector.name] | {"job", "instance"}
+            assert set(selector.matchers) <= known, (expr, selector.matchers)
+            labels |= known
+            used[job].add(selector.name)
+        assert grouping <= labels, (expr, grouping - labels)
+        legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+        assert legend <= (grouping or labels), (expr, legend)
+    # Every metric of both processes is on the dashboard somewhere.
+    for job, series in by_job.items():
+        families = {re.sub(r"_(total|bucket|count|sum|created)$", "", name) for name in series}
+        shown = {re.sub(r"_(total|bucket|count|sum|created)$", "", name) for name in used[job]}
+        assert families == shown, (job, families - shown)
+
+
+def test_promql_parts_finds_series_and_grouping() -> None:
+    """The parser the dashboard test relies on, on a query with every construct."""
+    selectors, grouping = promql_parts(
+        'histogram_quantile(0.99, sum by (le, tool) (rate(x_bucket{job="j", tool=~"a|b"}'
+        "[$__rate_interval]))) / on (tool) sum by (tool) (y_total)"
+    )
+    assert selectors == [Selector("x_bucket", {"job": "j", "tool": "a|b"}), Selector("y_total", {})]
+    assert grouping == {"le", "tool"}
+
+
+def test_dashboard_panels_have_unique_ids_and_titles() -> None:
+    panels = _panels()
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids))
+    titles = [panel["title"] for panel in panels]
+    assert len(titles) == len(set(titles))
