@@ -35,7 +35,7 @@ from executors._api import Tool
 from executors._process import ProcessorOptions
 from executors._runner import ExecutorRunner, RunnerOptions, load_contract
 from executors._secrets import load_secrets
-from schemas import OpledgerError, inbox_prefix
+from schemas import OpledgerError, inbox_prefix, setup_tracing
 
 __all__ = [
     "add_run_arguments",
@@ -219,6 +219,13 @@ def run_executor(args: argparse.Namespace) -> int:
         contract = load_contract(args.contracts, tool.name, tool.version)
         secrets = load_secrets(args.secrets)
         name = args.name or _default_name(tool.name)
+        # Each executor names itself on every line: several share one log collector.
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(
+                logging.Formatter(
+                    f"%(asctime)s %(levelname)s executor[{name}] %(name)s: %(message)s"
+                )
+            )
         if args.creds is None:
             _log.warning("no --creds: connecting without credentials (development only)")
         options = RunnerOptions(
@@ -233,6 +240,8 @@ def run_executor(args: argparse.Namespace) -> int:
             metrics_addr=args.metrics_addr,
         )
         runner = ExecutorRunner(tool, contract, options)
+        # Spans only if the environment asks (OTEL_EXPORTER_OTLP_ENDPOINT, ...).
+        setup_tracing(f"opledger-executor-{tool.name}", instance=name)
     except (OpledgerError, ValueError, ImportError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

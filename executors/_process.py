@@ -49,6 +49,7 @@ from executors._api import (
 from executors._errors import ExecutorConfigError, LeaseError
 from executors._metrics import ExecutorMetrics
 from executors._redact import DEFAULT_POLICY, RedactionPolicy, redact, redact_text
+from executors._tracing import describe_result, execute_tool_span, reconcile_span
 from policy import DEFAULT_LIMITS, CompiledSchema, ToolContract, json_value_issue
 from schemas import (
     CANCELLED_BEFORE_EFFECT,
@@ -362,7 +363,15 @@ class ItemProcessor:
                 reason="lease_invalid",
             )
         if reply.decision is LeaseDecision.RECONCILE:
-            return await self._reconcile(attempt, reply, delivery)
+            with reconcile_span(
+                self.contract,
+                operation_id=attempt.operation_id,
+                attempt=attempt.attempt,
+                lookup=attempt.lookup,
+            ) as span:
+                disposition = await self._reconcile(attempt, reply, delivery)
+                describe_result(span, disposition.envelope, disposition.reason)
+            return disposition
         return await self._execute(attempt, reply, lease)
 
     def _lease_error(self, item: WorkItem, error: ErrorInfo, delivery: int) -> ItemDisposition:
@@ -481,6 +490,32 @@ class ItemProcessor:
                 return await self._report_output(
                     attempt, arguments, checked.data, context, reason="already_applied"
                 )
+        # The GenAI conventions' span covers the tool's run itself: not a lookup, not a
+        # precondition that finds the call stale or applied already, not a replay.
+        with execute_tool_span(
+            self.contract,
+            operation_id=attempt.operation_id,
+            attempt=attempt.attempt,
+            fencing_token=attempt.fencing_token,
+            executor=self.executor,
+            arguments=arguments,
+            redaction=self.redaction,
+        ) as span:
+            disposition = await self._run_and_report(
+                attempt, arguments, context, deadline, timeout_ms, lease
+            )
+            describe_result(span, disposition.envelope, disposition.reason)
+        return disposition
+
+    async def _run_and_report(
+        self,
+        attempt: _Attempt,
+        arguments: dict[str, Any],
+        context: ToolContext,
+        deadline: float,
+        timeout_ms: int,
+        lease: LeaseFn,
+    ) -> ItemDisposition:
         try:
             output = await self._run_watched(attempt, arguments, context, deadline, lease)
         except _StoppedOnCancel:

@@ -27,6 +27,7 @@ from typing import Any
 import nats
 import nats.errors
 import orjson
+from opentelemetry.trace import SpanKind
 from prometheus_client import start_http_server
 from pydantic import ValidationError
 
@@ -45,12 +46,17 @@ from schemas import (
     RESULTS_STREAM,
     WORK_STREAM,
     ErrorInfo,
+    GenAI,
     LeaseReply,
     LeaseRequest,
     PullConsumer,
     ResultEnvelope,
     Subjects,
+    TraceAttr,
+    context_from_headers,
     inbox_prefix,
+    trace_headers,
+    tracer,
     work_consumer,
 )
 
@@ -285,6 +291,19 @@ class ExecutorRunner:
 
     async def handle(self, msg: Any) -> ItemDisposition:
         """Process one JetStream message and settle it (ack, nak, term, publish then ack)."""
+        # The work item's trace context (the operation's trace) is this span's parent:
+        # the lease request, the tool's span and the result all continue it.
+        with tracer().start_as_current_span(
+            "opledger.work",
+            context=context_from_headers(getattr(msg, "headers", None)),
+            kind=SpanKind.CONSUMER,
+            attributes={GenAI.TOOL_NAME: self.contract.name, TraceAttr.EXECUTOR: self.executor},
+        ) as span:
+            disposition = await self._handle(msg)
+            span.set_attribute(TraceAttr.OUTCOME, disposition.reason)
+        return disposition
+
+    async def _handle(self, msg: Any) -> ItemDisposition:
         try:
             delivery = int(msg.metadata.num_delivered)
         except Exception:
@@ -320,6 +339,7 @@ class ExecutorRunner:
             Subjects.lease(self.contract.name),
             request.model_dump_json().encode(),
             timeout=self._lease_timeout,
+            headers=trace_headers(),
         )
         try:
             return LeaseReply.model_validate_json(reply.data)
@@ -345,6 +365,10 @@ class ExecutorRunner:
         """
         payload = envelope.model_dump_json().encode()
         msg_id = result_msg_id(envelope, secrets.token_hex(8))
+        # Same ID on every try: JetStream drops the copy if an earlier try was
+        # stored but its PubAck was lost. The trace context: the ledger's record
+        # of this result continues the operation's trace.
+        headers = {**(trace_headers() or {}), "Nats-Msg-Id": msg_id}
         attempt = 0
         while True:
             attempt += 1
@@ -354,9 +378,7 @@ class ExecutorRunner:
                     payload,
                     timeout=self._publish_timeout,
                     stream=RESULTS_STREAM,
-                    # Same ID on every try: JetStream drops the copy if an
-                    # earlier try was stored but its PubAck was lost.
-                    headers={"Nats-Msg-Id": msg_id},
+                    headers=headers,
                 )
             except Exception as exc:
                 self._log.warning(

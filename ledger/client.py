@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import nats
 import orjson
@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
 
 from ledger._recent import Recent
@@ -35,6 +36,7 @@ from schemas import (
     ErrorCategory,
     ErrorEnvelope,
     ErrorInfo,
+    GenAI,
     OperationStatus,
     OperatorRequest,
     OpledgerError,
@@ -44,8 +46,13 @@ from schemas import (
     StatusRequest,
     Subjects,
     ToolProposal,
+    ToolsReply,
+    ToolsRequest,
+    TraceAttr,
     check_token,
     new_operation_id,
+    trace_headers,
+    tracer,
 )
 
 __all__ = [
@@ -183,13 +190,49 @@ class AgentHostClient:
         envelope = ProposalEnvelope(proposal=proposal, context=context)
         await self._listen()  # before the proposal: its outcome may come at once
         self._proposed.remember(operation_id, None)
-        data = await self._request(
-            Subjects.propose(self.host), envelope.model_dump_json().encode(), attempts
-        )
-        reply = ProposeReply.model_validate_json(data)
-        if reply.error is not None:
-            raise RequestRefused(reply.error)
+        # The ledger continues this span's trace (a `traceparent` header) through the
+        # check, the approval and the executor; in the host's own trace, if it has one.
+        with tracer().start_as_current_span(
+            "opledger.propose",
+            kind=SpanKind.CLIENT,
+            attributes={
+                GenAI.TOOL_NAME: proposal.tool_name,
+                GenAI.TOOL_CALL_ID: operation_id,
+                TraceAttr.HOST: self.host,
+            },
+        ) as span:
+            data = await self._request(
+                Subjects.propose(self.host), envelope.model_dump_json().encode(), attempts
+            )
+            reply = ProposeReply.model_validate_json(data)
+            if reply.error is not None:
+                span.set_attribute(TraceAttr.REFUSAL, reply.error.code)
+                raise RequestRefused(reply.error)
+            if reply.state is not None:
+                span.set_attribute(TraceAttr.STATE, reply.state)
         return reply
+
+    async def tools(
+        self,
+        *,
+        format: Literal["openai", "anthropic", "mcp"] = "mcp",
+        capabilities: frozenset[str] | None = None,
+        attempts: int = 3,
+    ) -> list[dict[str, Any]]:
+        """The tool definitions to offer a model acting for a caller with `capabilities`
+        (None: every tool agents may call), in a model API's `format`: the contracts'
+        own schemas, from the ledger the calls will be checked by."""
+        request = ToolsRequest(
+            format=format,
+            capabilities=None if capabilities is None else sorted(capabilities),
+        )
+        data = await self._request(
+            Subjects.tools(self.host), request.model_dump_json().encode(), attempts
+        )
+        body = orjson.loads(data)
+        if isinstance(body, dict) and body.get("ok") is False:
+            raise RequestRefused(ErrorEnvelope.model_validate(body).error)
+        return ToolsReply.model_validate(body).tools
 
     async def status(self, operation_id: str, *, attempts: int = 3) -> OperationStatus:
         """Where one of this host's operations stands."""
@@ -291,7 +334,7 @@ class _PersonClient:
 
 
 class OperatorClient(_PersonClient):
-    """One operator's connection to the ledger: settle unknown outcomes, cancel.
+    """One operator's connection to the ledger: settle unknown outcomes, cancel, retry.
 
     The operator's own NATS identity (`Role.OPERATOR`) may publish only to
     `ops.operate.<name>`, and the ledger records every action as
@@ -315,6 +358,19 @@ class OperatorClient(_PersonClient):
     ) -> OperationStatus:
         """Cancel any operation (see `AgentHostClient.cancel` for what follows)."""
         request = OperatorRequest(command="cancel", operation_id=operation_id, reason=reason)
+        return await self._send(request, attempts)
+
+    async def retry(self, operation_id: str, *, reason: str, attempts: int = 1) -> OperationStatus:
+        """Run a failed call again, saying why; the answer is the status of the new
+        operation it runs as (`<host>/<id>-r1`), checked and approved afresh.
+
+        The failed operation keeps its final outcome. Refused (`ILLEGAL_TRANSITION`)
+        for anything but a failed call, a cancelled one, one retried already, and
+        one an executor reported as succeeded after all. Asked once by default:
+        after a lost reply, a second retry is refused (`already run again as ...`),
+        which names the new operation.
+        """
+        request = OperatorRequest(command="retry", operation_id=operation_id, reason=reason)
         return await self._send(request, attempts)
 
 
@@ -360,9 +416,11 @@ async def _request(
     Every request the SDK sends is safe to repeat: proposals are idempotent by
     their operation ID, status requests read, and cancels and resolutions converge.
     """
+    # The caller's trace context travels along: the ledger's spans continue it.
+    headers = trace_headers()
     for attempt in range(attempts):
         try:
-            reply = await nc.request(subject, payload, timeout=timeout)
+            reply = await nc.request(subject, payload, timeout=timeout, headers=headers)
         except (NatsTimeout, NoRespondersError):
             if attempt + 1 == attempts:
                 raise LedgerUnavailable("no ledger service answered") from None

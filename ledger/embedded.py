@@ -62,6 +62,8 @@ DEMO_APPROVERS: dict[str, tuple[str, ...]] = {
 """The embedded stack's approver identities and the approver roles its ledger
 service gives them (one for each role the sample contracts ask for, and two
 finance approvers for refunds that need two)."""
+DEMO_OPERATOR = "ops"
+"""The embedded stack's operator identity (`opledger ops cancel|resolve|retry --operator ops`)."""
 _SECRET_PREFIX = "OPLEDGER_SECRET_"
 _STATE_FILE = "stack.json"
 
@@ -214,12 +216,17 @@ class EmbeddedStack:
             names = {(i.role.value, i.name) for i in existing.identities}
             wanted = {(Role.EXECUTOR.value, t) for t in tools} | {(Role.HOST.value, DEMO_HOST)}
             wanted |= {(Role.APPROVER.value, a) for a in DEMO_APPROVERS}
+            wanted |= {(Role.OPERATOR.value, DEMO_OPERATOR)}
             if wanted <= names:
                 return existing
         except CredentialsError:
             pass
         return generate_credentials(
-            self.creds_dir, hosts=[DEMO_HOST], tools=tools, approvers=sorted(DEMO_APPROVERS)
+            self.creds_dir,
+            hosts=[DEMO_HOST],
+            tools=tools,
+            approvers=sorted(DEMO_APPROVERS),
+            operators=[DEMO_OPERATOR],
         )
 
     def _secrets_file(self, tool: str) -> Path | None:

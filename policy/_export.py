@@ -42,12 +42,12 @@ Sources for the rules checked here (read when this module was written):
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from policy._check._pointer import MISSING, resolve_pointer
-from policy._contract import EffectClass, ToolContract
+from policy._contract import ApprovalMode, EffectClass, ToolContract
 from policy._errors import ContractError, ToolFormatError
 from policy._registry import json_pointer
 
@@ -56,6 +56,7 @@ __all__ = [
     "StrictModeReport",
     "ToolFormat",
     "export_tool",
+    "offered_contracts",
     "openai_strict_report",
     "to_anthropic_tool",
     "to_mcp_tool",
@@ -459,6 +460,20 @@ def to_mcp_tool(contract: ToolContract) -> dict[str, Any]:
         tool["outputSchema"] = copy.deepcopy(contract.output_schema)
     tool["annotations"] = _mcp_annotations(contract)
     return tool
+
+
+def offered_contracts(
+    contracts: Iterable[ToolContract], capabilities: frozenset[str] | None
+) -> list[ToolContract]:
+    """The contracts a caller with `capabilities` (None: any) may call, by name: never
+    a tool forbidden to agents, never one the capabilities do not suffice for."""
+    offered = [
+        c
+        for c in contracts
+        if c.approval.mode is not ApprovalMode.FORBIDDEN
+        and (capabilities is None or c.required_capabilities <= capabilities)
+    ]
+    return sorted(offered, key=lambda c: c.name)
 
 
 def export_tool(contract: ToolContract, fmt: ToolFormat) -> dict[str, Any]:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 import rfc8785
+from pydantic import WithJsonSchema
 
 from schemas._exceptions import CanonicalizationError
 
-__all__ = ["DIGEST_PATTERN", "canonical_json", "proposal_hash", "sha256_hex"]
+__all__ = ["DIGEST_PATTERN", "Digest", "canonical_json", "proposal_hash", "sha256_hex"]
 
 _SAFE_INT = 2**53 - 1
 _SURROGATES_START = "\ud800"
@@ -73,6 +74,10 @@ def canonical_json(value: Any) -> bytes:
 
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 """What `sha256_hex` writes: a proposal hash, an event or head digest."""
+
+Digest = Annotated[str, WithJsonSchema({"type": "string", "pattern": DIGEST_PATTERN})]
+"""A digest the ledger writes (`sha256_hex`), as a field of a message it sends: published
+with `DIGEST_PATTERN`, and read as any string (only the ledger produces one)."""
 
 
 def sha256_hex(data: bytes) -> str:

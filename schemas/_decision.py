@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from schemas._base import WireModel
+from schemas._canonical import Digest
 from schemas._errors import ErrorCategory
 
 __all__ = [
+    "JSON_VALUE_SCHEMA",
     "REPAIR_EXHAUSTED",
     "REPAIR_TARGET_INVALID",
     "ApprovalRequirement",
@@ -28,6 +30,13 @@ REPAIR_EXHAUSTED = "repair_exhausted"
 REPAIR_TARGET_INVALID = "repair_target_invalid"
 """The finding of a repair that names no rejected, repairable proposal of the same host,
 conversation and tool, or one another proposal already repairs."""
+
+JSON_VALUE_SCHEMA: dict[str, Any] = {
+    "type": ["array", "boolean", "null", "number", "object", "string"],
+}
+"""Any JSON value: what `ValidationIssue.expected` and `actual` may hold."""
+
+_JsonValue = Annotated[Any, WithJsonSchema(JSON_VALUE_SCHEMA)]
 
 
 class RiskLevel(StrEnum):
@@ -52,7 +61,11 @@ _RISK_ORDER = [RiskLevel.LOW, RiskLevel.MODERATE, RiskLevel.HIGH, RiskLevel.CRIT
 
 
 class CheckStage(StrEnum):
-    """The layers of the proposal check, in the order they run."""
+    """The layers of the proposal check, and the ledger's repair bound.
+
+    They run in this order but for `authorization`, which runs before `semantics`
+    (so that a caller without the capability cannot probe which targets exist).
+    """
 
     PARSE = "parse"
     TOOL = "tool"
@@ -67,7 +80,7 @@ class CheckStage(StrEnum):
 
 
 class DecisionOutcome(StrEnum):
-    """The three answers to a proposal."""
+    """The four answers to a proposal."""
 
     READY = "ready"
     NEEDS_APPROVAL = "needs_approval"
@@ -85,12 +98,23 @@ class ValidationIssue(WireModel):
     """
 
     stage: CheckStage
-    code: str
+    code: str = Field(
+        description="Stable machine-readable finding, e.g. `json_syntax`, `not_an_object`,"
+        " `range`, `required`, `CAPABILITY_DENIED`, `repair_exhausted`."
+    )
     message: str
-    path: str = ""
-    keyword: str | None = None
-    expected: Any = None
-    actual: Any = None
+    path: str = Field(
+        default="", description='JSON pointer into the arguments ("": the arguments object).'
+    )
+    keyword: str | None = Field(
+        default=None, description="The JSON Schema keyword that failed, for a structural finding."
+    )
+    expected: _JsonValue = Field(
+        default=None, description="What was expected (any JSON value; null when not said)."
+    )
+    actual: _JsonValue = Field(
+        default=None, description="What was given (any JSON value; null when not said)."
+    )
     repairable: bool
     category: ErrorCategory = ErrorCategory.INVALID_INPUT
     details: dict[str, Any] = Field(default_factory=dict)
@@ -130,9 +154,13 @@ class Decision(WireModel):
     proposal_id: str
     tool: str
     tool_version: str | None = None
-    input_schema_hash: str | None = None
-    output_schema_hash: str | None = None
-    proposal_hash: str | None = None
+    input_schema_hash: Digest | None = None
+    output_schema_hash: Digest | None = None
+    proposal_hash: Digest | None = Field(
+        default=None,
+        description="SHA-256 of the call as checked (RFC 8785 canonical JSON): what an"
+        " approval binds to. Null when the check did not get that far.",
+    )
     normalized_arguments: dict[str, Any] | None = None
     applied_defaults: tuple[str, ...] = ()
     risk: RiskLevel | None = None

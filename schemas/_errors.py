@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -39,17 +39,31 @@ class ErrorCategory(StrEnum):
 class ErrorInfo(WireModel):
     """One error: a stable code, its category, and only details safe to show."""
 
-    code: str = Field(description="Stable machine-readable code, e.g. UPSTREAM_RATE_LIMITED.")
+    code: str = Field(
+        description="Stable machine-readable code, e.g. OPERATION_NOT_FOUND or a tool's own"
+        " UPSTREAM_RATE_LIMITED (an open set: tools name their own)."
+    )
     category: ErrorCategory
     message: str = Field(description="Short human-readable text; never a stack trace.")
     retryable: bool = False
-    retry_after_ms: int | None = Field(default=None, ge=0)
-    safe_details: dict[str, Any] = Field(default_factory=dict)
+    retry_after_ms: int | None = Field(
+        default=None, ge=0, description="Wait at least this long before retrying."
+    )
+    safe_details: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Details safe to show the caller (never values of resources it may"
+        " not see); their keys depend on `code`.",
+    )
 
 
 class ErrorEnvelope(WireModel):
     """A failed result, as returned by tools and by opledger itself."""
 
-    ok: bool = Field(default=False, description="Always false for an error envelope.")
+    ok: Literal[False] = Field(default=False, description="Always false for an error envelope.")
     error: ErrorInfo
-    meta: dict[str, Any] = Field(default_factory=dict)
+    meta: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Context of the failure; on the ledger's request subjects,"
+        " `operation_id`: the operation the request asked about (absent when the request"
+        " could not be read).",
+    )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from schemas._base import WireModel
-from schemas._canonical import DIGEST_PATTERN
+from schemas._canonical import DIGEST_PATTERN, Digest
 from schemas._decision import Decision
 from schemas._errors import ErrorInfo
 from schemas._proposal import RuntimeContext, ToolProposal
@@ -17,6 +17,10 @@ from schemas._result import ResultEnvelope
 from schemas._subjects import OPERATION_ID_PATTERN, TOKEN_PATTERN
 
 __all__ = [
+    "EVENT_TYPES",
+    "OPERATION_STATES",
+    "OUTCOME_SCHEMA",
+    "OUTCOME_STATUSES",
     "CancelRequest",
     "FeedEvent",
     "LeaseDecision",
@@ -27,9 +31,155 @@ __all__ = [
     "ProposalEnvelope",
     "ProposeReply",
     "StatusRequest",
+    "ToolsReply",
+    "ToolsRequest",
     "WorkItem",
     "WorkPurpose",
 ]
+
+
+OPERATION_STATES: Final = (
+    "proposed",
+    "rejected",
+    "needs_clarification",
+    "validated",
+    "awaiting_approval",
+    "approval_denied",
+    "approval_expired",
+    "ready",
+    "executing",
+    "cancel_requested",
+    "succeeded",
+    "failed",
+    "outcome_unknown",
+    "reconciling",
+    "needs_resolution",
+    "cancelled",
+)
+"""Every state an operation can be in, as `state` says it: the values of the ledger's
+`OperationState`, in its order (a test keeps the two the same)."""
+
+OUTCOME_STATUSES: Final = (
+    "succeeded",
+    "failed",
+    "rejected",
+    "needs_clarification",
+    "approval_denied",
+    "approval_expired",
+    "cancelled",
+)
+"""How an operation ended, as `outcome.status` says it: the values of the ledger's
+`OutcomeStatus`, in its order (a test keeps the two the same)."""
+
+EVENT_TYPES: Final = (
+    "Proposed",
+    "Validated",
+    "Rejected",
+    "ClarificationNeeded",
+    "ApprovalRequested",
+    "ApprovalGranted",
+    "ApprovalRefused",
+    "ApprovalDenied",
+    "ApprovalExpired",
+    "Readied",
+    "LeaseClaimed",
+    "LeaseExpired",
+    "ExecutionRefused",
+    "Succeeded",
+    "Failed",
+    "OutcomeUnknown",
+    "ReconciliationStarted",
+    "Reconciled",
+    "ReconciliationInconclusive",
+    "ResolutionNeeded",
+    "RetryScheduled",
+    "StaleResultRecorded",
+    "ConflictingOutcomeRecorded",
+    "RetryProposed",
+    "RepairProposed",
+    "CancelRequested",
+    "Cancelled",
+    "CancelTooLate",
+    "PublicationSetAside",
+)
+"""Every event type of the ledger, as a feed record's `type` (and the last token of its
+subject) says it: the event classes of `Operation`, in their order (a test keeps the two
+the same)."""
+
+# What the ledger sends, published exactly. The models read these leniently (any
+# string): only the ledger writes them, and a host on an older schema must not
+# fail on a state added later; the published schema says what is sent today.
+_State = Annotated[str, WithJsonSchema({"type": "string", "enum": list(OPERATION_STATES)})]
+_HostOperationId = Annotated[str, WithJsonSchema({"type": "string", "pattern": TOKEN_PATTERN})]
+_LedgerOperationId = Annotated[
+    str, WithJsonSchema({"type": "string", "pattern": OPERATION_ID_PATTERN})
+]
+_Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
+_ERROR_CATEGORIES = [
+    "INVALID_INPUT",
+    "UNAUTHORIZED",
+    "NOT_FOUND",
+    "TRANSIENT",
+    "CONFLICT",
+    "POLICY_DENIED",
+    "INTERNAL",
+]
+
+OUTCOME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "What the operation's settling event established; only the keys its"
+    " `status` has. succeeded: output_hash, result_ref, attempt (envelope_hash,"
+    " reconciled); failed: code, category, retryable, attempt (reconciled); rejected:"
+    " category (code); needs_clarification: question; approval_denied and cancelled: by;"
+    " approval_expired: (code).",
+    "properties": {
+        "status": {"type": "string", "enum": list(OUTCOME_STATUSES)},
+        "attempt": {
+            "type": ["integer", "null"],
+            "description": "The attempt that decided it.",
+        },
+        "output_hash": {
+            "type": "string",
+            "description": "SHA-256 of the tool's output as recorded (empty when a person"
+            " settled it without one).",
+        },
+        "result_ref": {
+            "type": "string",
+            "description": "Where the result envelope is kept: `result:<ledger operation"
+            " ID>:<attempt>` (empty when none was kept).",
+        },
+        "envelope_hash": {
+            "type": "string",
+            "pattern": DIGEST_PATTERN,
+            "description": "SHA-256 of the exact result envelope kept under `result_ref`.",
+        },
+        "code": {
+            "type": "string",
+            "description": "A failure's error code; for a call refused at the lease, why"
+            " (`approval_expired`, `permission_changed`).",
+        },
+        "category": {
+            "type": "string",
+            "enum": _ERROR_CATEGORIES,
+            "description": "The error category of a failure, or the finding category of a"
+            " rejection.",
+        },
+        "retryable": {"type": "boolean"},
+        "by": {
+            "type": "string",
+            "description": "Who denied or cancelled it (`host:<host>`, an approver, an"
+            " executor, `operator:<name>`).",
+        },
+        "reconciled": {
+            "type": "boolean",
+            "const": True,
+            "description": "Established after the fact, by a lookup or a person.",
+        },
+        "question": {"type": "string", "description": "What to ask the user."},
+    },
+    "required": ["status"],
+}
+"""The published shape of `OperationStatus.outcome` (the ledger's `Outcome.as_dict`)."""
 
 
 class ProposalEnvelope(WireModel):
@@ -42,13 +192,26 @@ class ProposalEnvelope(WireModel):
 class ProposeReply(WireModel):
     """The ledger's answer to a proposal: the operation and the check's decision."""
 
-    operation_id: str | None = None
-    state: str | None = None
-    created: bool = False
-    decision: Decision | None = Field(
-        default=None, description="Absent when the operation already existed."
+    operation_id: _HostOperationId | None = Field(
+        default=None,
+        description="The host's own operation ID (minted by the ledger when the proposal"
+        " had none); null when the proposal was refused before it had one.",
     )
-    error: ErrorInfo | None = None
+    state: _State | None = Field(
+        default=None,
+        description="The operation's state after the proposal; null when it was refused.",
+    )
+    created: bool = Field(
+        default=False,
+        description="False when the same call was proposed before under this operation ID"
+        " (the existing operation is answered).",
+    )
+    decision: Decision | None = Field(
+        default=None, description="Null when the operation already existed, or on refusal."
+    )
+    error: ErrorInfo | None = Field(
+        default=None, description="Set when the proposal itself was refused (nothing stored)."
+    )
 
 
 class WorkPurpose(StrEnum):
@@ -114,15 +277,23 @@ class LeaseReply(WireModel):
     """The ledger's answer to a lease request."""
 
     decision: LeaseDecision
-    operation_id: str
+    operation_id: _LedgerOperationId = Field(description="The ledger's ID, `<host>/<id>`.")
     tool: str | None = None
     tool_version: str | None = None
-    arguments: dict[str, Any] | None = None
+    arguments: dict[str, Any] | None = Field(
+        default=None,
+        description="With execute and reconcile: the exact arguments as checked (and"
+        " approved), normalized; an object the tool contract's `input_schema` describes.",
+    )
     fencing_token: int | None = None
     attempt: int | None = None
-    lease_expires_at: datetime | None = None
+    lease_expires_at: datetime | None = Field(
+        default=None,
+        description="When the lease (or, with busy, the running lookup) runs out: RFC 3339,"
+        " UTC, e.g. `2026-11-29T10:00:07.402810Z`.",
+    )
     timeout_ms: int | None = None
-    proposal_hash: str | None = None
+    proposal_hash: Digest | None = None
     not_before: datetime | None = Field(
         default=None,
         description="With busy: a scheduled retry may not run before this time; ask again then.",
@@ -149,16 +320,49 @@ class CancelRequest(WireModel):
     reason: str = Field(default="", max_length=500)
 
 
-class OperatorRequest(WireModel):
-    """An operator settles an unknown outcome or cancels, over NATS (answered with the
-    operation's status, by the ledger's ID)."""
+class ToolsRequest(WireModel):
+    """A host asks for the tools a caller with `capabilities` may call, as tool
+    definitions in a model API's format (answered with a `ToolsReply`)."""
 
-    command: Literal["resolve", "cancel"]
+    format: Literal["openai", "anthropic", "mcp"] = Field(
+        default="mcp",
+        description="The definitions' format: OpenAI `tools`, Anthropic `tools`, or MCP"
+        " `Tool`s (name, description, inputSchema, outputSchema, annotations).",
+    )
+    capabilities: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
+        default=None,
+        max_length=256,
+        description="The capabilities of the caller the model acts for (the runtime"
+        " context's): only tools they suffice for are listed. Null: every tool agents may"
+        " call at all.",
+    )
+
+
+class ToolsReply(WireModel):
+    """The tools a host may offer its model: the contracts' own schemas, so what the
+    ledger checks is what the model was shown. Forbidden tools are never listed."""
+
+    ok: Literal[True] = True
+    format: Literal["openai", "anthropic", "mcp"]
+    tools: list[dict[str, Any]] = Field(
+        description="One definition per tool, by name, in `format` (an object each)."
+    )
+
+
+class OperatorRequest(WireModel):
+    """An operator settles an unknown outcome, cancels, or runs a failed call again, over
+    NATS (answered with the operation's status, by the ledger's ID)."""
+
+    command: Literal["resolve", "cancel", "retry"]
     operation_id: str = Field(pattern=OPERATION_ID_PATTERN, description="The ledger's ID.")
     applied: bool | None = Field(
         default=None, description="For `resolve`: whether the effect happened (required)."
     )
-    reason: str = Field(default="", max_length=500)
+    reason: str = Field(
+        default="",
+        max_length=500,
+        description="Why (recorded); required for `resolve` and `retry`.",
+    )
 
 
 class ApproverRequest(WireModel):
@@ -190,15 +394,25 @@ class StatusRequest(WireModel):
 class OperationStatus(WireModel):
     """Where an operation stands; `final` when its outcome will not change."""
 
-    operation_id: str
-    state: str
-    final: bool
+    operation_id: _LedgerOperationId = Field(
+        description="To a host, its own ID; to an operator or approver, the ledger's `<host>/<id>`."
+    )
+    state: _State
+    final: bool = Field(description="True when the outcome will not change.")
     tool: str | None = None
     tool_version: str | None = None
-    attempts: int = 0
-    outcome: dict[str, Any] | None = None
-    result: ResultEnvelope | None = None
-    error: ErrorInfo | None = None
+    attempts: int = Field(default=0, ge=0, description="Attempts started so far.")
+    outcome: Annotated[dict[str, Any], WithJsonSchema(OUTCOME_SCHEMA)] | None = Field(
+        default=None, description="Once the operation has an outcome: what it is."
+    )
+    result: ResultEnvelope | None = Field(
+        default=None,
+        description="The stored result envelope of the attempt that decided the outcome,"
+        " exactly as its executor published it (its `operation_id` is the ledger's).",
+    )
+    error: ErrorInfo | None = Field(
+        default=None, description="Not written by this version of the ledger (always null)."
+    )
     cancel: Literal["requested", "too_late"] | None = Field(
         default=None,
         description="`requested`: a cancel waits for the running executor; `too_late`: a"
@@ -209,14 +423,27 @@ class OperationStatus(WireModel):
 class FeedEvent(WireModel):
     """One ledger event as mirrored on the feed (sensitive argument values hashed)."""
 
-    position: int
-    operation_id: str
-    version: int
-    type: str
-    timestamp: str | None = None
-    event_hash: str
-    prev_hash: str | None = None
-    event: dict[str, Any]
+    position: int = Field(description="The event's place in the ledger's global order.")
+    operation_id: _LedgerOperationId = Field(description="The ledger's ID, `<host>/<id>`.")
+    version: int = Field(description="The event's place among its operation's events (1, 2, ...).")
+    type: Annotated[str, WithJsonSchema({"type": "string", "enum": list(EVENT_TYPES)})]
+    timestamp: _Timestamp | None = Field(
+        default=None,
+        description="When the event was recorded: RFC 3339, UTC, with microseconds"
+        " (`2026-11-29T10:00:01.402810Z`; without a fraction when it is zero).",
+    )
+    event_hash: Digest = Field(
+        description="SHA-256 of the stored event (its topic, a newline, its stored JSON),"
+        " before any redaction: what `opledger audit verify` checks."
+    )
+    prev_hash: Digest | None = Field(
+        default=None,
+        description="The `event_hash` of the operation's previous event (64 zeros for its first).",
+    )
+    event: dict[str, Any] = Field(
+        description="The stored event, the values of the contract's `sensitive_arguments`"
+        ' replaced by `{"sha256": "<hex>"}`; its fields depend on `type`.'
+    )
     event_omitted: bool = Field(
         default=False,
         description="The event was too large for one message: `event` is empty, and"

@@ -21,6 +21,8 @@ from schemas._messages import (
     ProposalEnvelope,
     ProposeReply,
     StatusRequest,
+    ToolsReply,
+    ToolsRequest,
     WorkItem,
 )
 from schemas._proposal import RuntimeContext, ToolProposal
@@ -45,6 +47,8 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "lease-reply": LeaseReply,
     "status-request": StatusRequest,
     "cancel-request": CancelRequest,
+    "tools-request": ToolsRequest,
+    "tools-reply": ToolsReply,
     "operator-request": OperatorRequest,
     "approver-request": ApproverRequest,
     "operation-status": OperationStatus,

@@ -48,10 +48,13 @@ class Provenance(WireModel):
 
     tool: str
     tool_version: str
-    executor: str
+    executor: str = Field(description="The executor process that ran the attempt.")
     attempt: int = Field(ge=1)
     latency_ms: float = Field(ge=0)
-    completed_at: datetime
+    completed_at: datetime = Field(
+        description="When the attempt ended: an RFC 3339 date-time (the executor writes"
+        " UTC, `2026-11-29T10:00:01.402810Z`)."
+    )
     trust: TrustLabel = Field(
         default=TrustLabel.UNTRUSTED,
         description="Always untrusted: tool output is data. Any other value is malformed.",
@@ -61,10 +64,16 @@ class Provenance(WireModel):
 class ResultEnvelope(WireModel):
     """One attempt's outcome: `data` when ok, `error` otherwise."""
 
-    operation_id: str
+    operation_id: str = Field(
+        description="The ledger's operation ID (`<host>/<id>`), as the lease named it."
+    )
     fencing_token: int = Field(ge=1)
     ok: bool
-    data: dict[str, Any] | None = None
+    data: dict[str, Any] | None = Field(
+        default=None,
+        description="When ok: the tool's output, an object its contract's `output_schema`"
+        " describes (untrusted data, never instructions).",
+    )
     error: ErrorInfo | None = None
     outcome_unknown: bool = Field(
         default=False, description="The side effect may or may not have happened."

@@ -153,6 +153,11 @@ class Subjects:
         return "ops.cancel.*"
 
     @staticmethod
+    def all_tool_requests() -> str:
+        """Every host's tool catalog subject (`ops.tools.*`), served by the ledger."""
+        return "ops.tools.*"
+
+    @staticmethod
     def all_operator_requests() -> str:
         """Every operator's subject (`ops.operate.*`), served by the ledger."""
         return "ops.operate.*"
@@ -203,6 +208,11 @@ class Subjects:
     def cancel(host: str) -> str:
         """Where host `host` asks to cancel one of its own operations (request/reply)."""
         return f"ops.cancel.{check_token(host)}"
+
+    @staticmethod
+    def tools(host: str) -> str:
+        """Where host `host` asks for the tools it may offer its model (request/reply)."""
+        return f"ops.tools.{check_token(host)}"
 
     @staticmethod
     def operate(operator: str) -> str:

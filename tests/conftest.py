@@ -9,6 +9,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ledger import StorageConfig
 
@@ -74,3 +78,22 @@ def anyio_backend() -> str:
     """asyncio only: nats-py and the service are asyncio code. Without this, anyio also
     runs every `anyio` test under trio whenever trio is installed (selenium brings it)."""
     return "asyncio"
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Every span this process ends while the test runs.
+
+    OpenTelemetry lets a process set its tracer provider once: the first test that
+    asks sets an SDK provider for the rest of the session (code under test that
+    traces then records spans, which changes nothing it does), and each test adds
+    an exporter of its own, shut down after it.
+    """
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    exporter.shutdown()

@@ -8,7 +8,7 @@ preview). Hashes keep them comparable across events without revealing them.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any
 
 import orjson
@@ -98,11 +98,19 @@ def exported_events(
 
 
 def export_jsonl(
-    rows: Iterable[StoredRow], contracts: Mapping[str, ToolContract], out: IO[bytes]
+    rows: Iterable[StoredRow],
+    contracts: Mapping[str, ToolContract],
+    out: IO[bytes],
+    progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Write the export to `out`, one JSON object per line; returns the count."""
+    """Write the export to `out`, one JSON object per line; returns the count
+    (`progress` is told the count every thousand events)."""
     count = 0
     for record in exported_events(rows, contracts):
         out.write(orjson.dumps(record) + b"\n")
         count += 1
+        if progress is not None and count % 1000 == 0:
+            progress(count)
+    if progress is not None:
+        progress(count)
     return count

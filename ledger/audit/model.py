@@ -52,9 +52,9 @@ ResultRow = tuple[str, str, str]
 """(result reference, operation ID, envelope text), ordered by operation and reference."""
 
 _SETTLING = ("Succeeded", "Failed", "Reconciled")
-_LEGACY_NULL_COLUMNS = frozenset({"lease_expires_at"})
+_LEGACY_NULL_COLUMNS = frozenset({"lease_expires_at", "trace_parent"})
 """Columns that views made before them hold empty (the lease sweep then looks at the
-operation itself): empty there is no fault."""
+operation itself; the relay continues no trace): empty there is no fault."""
 
 
 @dataclass(slots=True)

@@ -39,14 +39,14 @@ import os
 import queue
 import sqlite3
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.util import Finalize
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -69,6 +69,11 @@ from ledger.audit.verify import (
 )
 from ledger.domain.errors import InvalidArgument
 from ledger.projections.operations_view import ROW_COLUMNS, VIEW_NAME
+
+_T = TypeVar("_T")
+
+Progress = Callable[[int, int], None]
+"""Told (done, total) as work goes: for a progress line, never for a result."""
 
 __all__ = [
     "COLD_START_THRESHOLD",
@@ -147,6 +152,7 @@ def verify_stored(
     grace: timedelta = DEFAULT_SEAL_GRACE,
     anchor: SignedHead | None = None,
     model: bool = True,
+    progress: Progress | None = None,
 ) -> VerificationReport:
     """Verify the ledger in `tables`, at most `chunk_size` positions at a time.
 
@@ -169,6 +175,7 @@ def verify_stored(
     last trusted head older than `grace` before `now`, or dated more than
     `grace` after it, are findings. `anchor`: a head kept earlier, which the
     seal must still hold. `model`: check the view and the kept results too.
+    `progress(done, total)` is told each verified chunk (for a progress line).
     """
     if workers is not None and workers < 1:
         raise InvalidArgument("workers must be at least 1")
@@ -200,7 +207,15 @@ def verify_stored(
             beside = _start_model(tables.storage, method) if model and workers > 1 else None
             try:
                 report = _verify_chunks(
-                    reader, bounds, workers, method, chunk_size, policy, signed, expected_head
+                    reader,
+                    bounds,
+                    workers,
+                    method,
+                    chunk_size,
+                    policy,
+                    signed,
+                    expected_head,
+                    progress,
                 )
                 if anchor is not None:
                     digest = _sealed_digest(reader, bounds, anchor.position)
@@ -242,6 +257,7 @@ def _verify_chunks(
     policy: SealPolicy | None,
     signed: SignedHead | None,
     expected_head: str | None,
+    progress: Progress | None = None,
 ) -> VerificationReport:
     """The chunked part: events, the seal and its signatures, position by position.
 
@@ -265,13 +281,29 @@ def _verify_chunks(
             else (_verify_range(reader, plan, chunk) for chunk in plan.chunks)
         )
         return stitch(
-            alone, locate, expected_head=expected_head, policy=policy, signed_head=signed
+            _told(alone, len(plan.chunks), progress),
+            locate,
+            expected_head=expected_head,
+            policy=policy,
+            signed_head=signed,
         )
     assert method is not None
     shared = _shared(reader, plan, workers - 1, method)
     return stitch(
-        shared, locate, expected_head=expected_head, policy=policy, signed_head=signed
+        _told(shared, len(plan.chunks), progress),
+        locate,
+        expected_head=expected_head,
+        policy=policy,
+        signed_head=signed,
     )
+
+
+def _told(chunks: Iterable[_T], total: int, progress: Progress | None) -> Iterator[_T]:
+    """`chunks` as they come, telling `progress` how many of `total` are done."""
+    for done, chunk in enumerate(chunks, 1):
+        if progress is not None:
+            progress(done, total)
+        yield chunk
 
 
 def trusted_head(tables: EventTables, trusted: Sequence[str]) -> SignedHead | None:
@@ -679,8 +711,12 @@ def _verify_model(storage: StorageConfig) -> Any:
         events = reader.stream(EventTables(storage).rows_by_operation_sql())
         view: Iterator[tuple[Any, ...]] = iter(())
         if "opledger_operations" in present:
+            # A view made before a column existed (and not opened for writing since:
+            # a backup, an auditor's copy) reads it as empty, as the service would.
+            have = _view_columns(reader, storage)
+            columns = [c if c in have else f"NULL AS {c}" for c in ROW_COLUMNS]
             view = reader.stream(
-                f"SELECT {', '.join(ROW_COLUMNS)} FROM opledger_operations"
+                f"SELECT {', '.join(columns)} FROM opledger_operations"
                 f" ORDER BY operation_id{collate}"
             )
         results: Iterator[Any] = iter(())
@@ -692,6 +728,18 @@ def _verify_model(storage: StorageConfig) -> Any:
         return verify_model(events, view, results, view_position=view_position)
     finally:
         reader.close()
+
+
+def _view_columns(reader: _Reader, storage: StorageConfig) -> set[str]:
+    """The columns the operations view's table has."""
+    if storage.is_postgres:
+        rows = reader.query(
+            "SELECT column_name FROM information_schema.columns"
+            " WHERE table_schema = current_schema() AND table_name = ?",
+            ("opledger_operations",),
+        )
+        return {str(row[0]) for row in rows}
+    return {str(row[1]) for row in reader.query("PRAGMA table_info(opledger_operations)", ())}
 
 
 # ------------------------------------------------------------------ workers

@@ -99,7 +99,10 @@ Op = Operation
 _KINDS = (
     EventKind(
         Op.Proposed,
-        lambda e: f"{e.actor} proposed {e.tool} ({e.tenant}, {e.environment})",
+        lambda e: (
+            f"{e.actor} proposed {e.tool} ({e.tenant}, {e.environment})"
+            + (f"; run again by {e.proposed_by}, retrying {e.retries}" if e.retries else "")
+        ),
         state=S.PROPOSED,
     ),
     EventKind(
@@ -249,6 +252,10 @@ _KINDS = (
         lambda e: f"conflicting {e.outcome} from {e.executor} ignored; the outcome stands",
     ),
     EventKind(Op.RepairProposed, lambda e: f"repaired by {e.by}"),
+    EventKind(
+        Op.RetryProposed,
+        lambda e: f"run again as {e.retry_id}, by {e.by} ({e.via}): {e.reason}",
+    ),
     EventKind(
         Op.CancelRequested,
         lambda e: f"cancel requested by {e.by}" + (f": {e.reason}" if e.reason else ""),

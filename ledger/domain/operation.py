@@ -10,6 +10,7 @@ rebuilds the same operation. Every event carries the hash of the previous one
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,7 +30,13 @@ from ledger.domain.values import (
     OutcomeStatus,
     ReconcilePlan,
 )
-from schemas import CANCELLED_BEFORE_EFFECT, RECONCILE_UNSUPPORTED, ResultOutcome, RiskLevel
+from schemas import (
+    CANCELLED_BEFORE_EFFECT,
+    RECONCILE_UNSUPPORTED,
+    TRACEPARENT_PATTERN,
+    ResultOutcome,
+    RiskLevel,
+)
 
 __all__ = ["ALLOWED", "Operation", "Refusal", "same_person"]
 
@@ -37,6 +44,12 @@ S = OperationState
 
 
 _DEFAULT_PLAN = ReconcilePlan()
+
+
+_TRACEPARENT = re.compile(TRACEPARENT_PATTERN)
+
+_REASON_MAX = 500
+"""The longest reason a person's command records (as the wire allows)."""
 
 
 class Refusal(str):
@@ -60,6 +73,7 @@ _DOING = {
     "expire_lease": "expire the lease",
     "record_result": "record a result",
     "schedule_retry": "retry",
+    "note_retry": "run it again",
     "request_cancel": "cancel",
     "confirm_cancelled": "confirm the cancel",
 }
@@ -114,6 +128,7 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
     "start_reconciliation": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING}),
     "reconcile": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION}),
     "schedule_retry": frozenset({S.FAILED}),
+    "note_retry": frozenset({S.FAILED}),
     "request_cancel": frozenset(
         {
             S.PROPOSED,
@@ -179,6 +194,16 @@ class Operation(BaseAggregate[str]):
         """The ledger's ID of the rejected operation this proposal repairs."""
         repair_depth: int = 0
         """How many repairs precede this proposal in its chain (0: not a repair)."""
+        trace_parent: str | None = None
+        """The W3C `traceparent` of the ledger's check of this proposal (continuing the
+        host's trace, if it sent one): the operation's later spans, on every process,
+        join that trace. None when nobody traced it."""
+        retries: str | None = None
+        """The ledger's ID of the failed operation this one runs again (a person's
+        retry: `RetryProposed` on that one); None for a host's own proposal."""
+        proposed_by: str | None = None
+        """Who proposed it when not the host: the person who retried (`operator:<name>`,
+        `break-glass:<name>`), on behalf of `actor`."""
 
         def apply(self, aggregate: Any) -> None:
             aggregate.head_hash = GENESIS_HASH
@@ -199,6 +224,11 @@ class Operation(BaseAggregate[str]):
             )
             aggregate.repairs = self.repairs
             aggregate.repair_depth = self.repair_depth
+            aggregate.trace_parent = self.trace_parent
+            aggregate.retries = self.retries
+            aggregate.proposed_by = self.proposed_by
+            aggregate.retried_as = None
+            aggregate.success_reported_late = False
             aggregate.repaired_by = None
             aggregate.repairable = False
             aggregate.tool_version = None
@@ -598,6 +628,25 @@ class Operation(BaseAggregate[str]):
         outcome: str
         output_hash: str = ""
 
+        def apply_to(self, aggregate: Any) -> None:
+            if self.outcome == "succeeded":
+                aggregate.success_reported_late = True
+
+    class RetryProposed(Event):
+        """A person runs this failed call again, as a new operation (`retry_id`): this
+        one's outcome, already announced as final, stands."""
+
+        retry_id: str
+        """The ledger's ID of the new operation."""
+        by: str
+        """Who retried it: `operator:<name>` over NATS, `break-glass:<name>` without."""
+        reason: str
+        via: str
+        """How the request came: `nats` (an operator's own identity) or `break_glass`."""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.retried_as = self.retry_id
+
     class RepairProposed(Event):
         """A new proposal repairs this rejected one (at most one may: the chain is linear)."""
 
@@ -670,6 +719,16 @@ class Operation(BaseAggregate[str]):
         repairs: str | None
         """The rejected operation this one repairs (`Proposed.repairs`)."""
         repair_depth: int
+        trace_parent: str | None
+        """The traceparent this operation's spans continue (`Proposed.trace_parent`)."""
+        retries: str | None
+        """The failed operation this one runs again (`Proposed.retries`)."""
+        proposed_by: str | None
+        retried_as: str | None
+        """The operation that runs this failed one again, once a person retried it."""
+        success_reported_late: bool
+        """An executor reported success after the outcome was settled otherwise
+        (`ConflictingOutcomeRecorded`): evidence the effect happened after all."""
         repaired_by: str | None
         """The operation that repairs this rejected one, once one does."""
         repairable: bool
@@ -725,9 +784,16 @@ class Operation(BaseAggregate[str]):
         capabilities: Iterable[str] | None = None,
         repairs: str | None = None,
         repair_depth: int = 0,
+        trace_parent: str | None = None,
+        retries: str | None = None,
+        proposed_by: str | None = None,
     ) -> Operation:
         """Record a new proposal under `operation_id` (`omitted`: what of it was not kept;
-        `capabilities`: the caller's, from its trusted runtime context)."""
+        `capabilities`: the caller's, from its trusted runtime context; `trace_parent`:
+        the W3C traceparent its later spans continue; `retries` and `proposed_by`: the
+        failed operation a person runs again, and who)."""
+        if trace_parent is not None and not _TRACEPARENT.match(trace_parent):
+            raise InvalidArgument("trace_parent is not a W3C traceparent")
         return cls._create(
             cls.Proposed,
             id=operation_id,
@@ -744,6 +810,9 @@ class Operation(BaseAggregate[str]):
             capabilities=None if capabilities is None else sorted(capabilities),
             repairs=repairs,
             repair_depth=repair_depth,
+            trace_parent=trace_parent,
+            retries=retries,
+            proposed_by=proposed_by,
         )
 
     def _guard(self, command: str) -> None:
@@ -1355,6 +1424,45 @@ class Operation(BaseAggregate[str]):
                 "this failure may not be retried", operation_id=self.id, attempt=self.attempt
             )
         self._trigger(self.RetryScheduled, now, after_attempt=self.attempt, not_before=not_before)
+
+    def note_retry(
+        self, *, retry_id: str, by: str, reason: str, via: str, now: datetime
+    ) -> None:
+        """A person runs this failed call again as a new operation, `retry_id`.
+
+        Not by reopening this one: its failure was announced to the host as final,
+        and a host may have acted on it. The new operation carries the same call
+        for the same caller and is checked, approved and budgeted afresh. Refused
+        for a cancelled call, for one retried already (retry the retry if that
+        failed too), and for one an executor reported as succeeded after all.
+        """
+        self._guard("note_retry")
+        if not reason.strip():
+            raise InvalidArgument("a retry needs a reason (what changed since it failed)")
+        if len(reason) > _REASON_MAX:
+            raise InvalidArgument(f"a reason has at most {_REASON_MAX} characters")
+        if self.cancel_requested or self.cancel_too_late:
+            # Asked to cancel after it failed is still asked: nobody wants it run again.
+            raise IllegalTransition(
+                "this call was cancelled; a cancelled call is never run again",
+                operation_id=self.id,
+            )
+        if self.retried_as is not None:
+            raise IllegalTransition(
+                f"already run again as {self.retried_as}: look at that one (and retry it,"
+                " if it failed too)",
+                operation_id=self.id,
+            )
+        if self.success_reported_late:
+            raise IllegalTransition(
+                "an executor reported that this call succeeded after all"
+                " (ConflictingOutcomeRecorded): check with the provider before running it"
+                " again, and propose it anew if it really did not happen",
+                operation_id=self.id,
+            )
+        self._trigger(
+            self.RetryProposed, now, retry_id=retry_id, by=by, reason=reason, via=via
+        )
 
     def request_cancel(self, *, by: str, reason: str, now: datetime) -> None:
         """Cancel: at once if nothing runs yet, by request if running, noted if too late."""

@@ -18,48 +18,30 @@ the event), so an auditor tells it apart from an approver's own word.
 from __future__ import annotations
 
 import argparse
-import asyncio
-from pathlib import Path
 from typing import Any
 
-from ledger.client import ApproverClient, LedgerUnavailable
-from ledger.config import ConfigError, Settings
-from ledger.embedded import running_stack
-from ledger.entrypoints.render import render_json
-from ledger.nats import Identity, Role, connect_as
-from ledger.nats.errors import CredentialsError
-from schemas import ErrorCategory, OperationStatus, OpledgerError, Subjects, check_token
+from nats.aio.client import Client
 
-__all__ = ["add_decision_arguments", "decide"]
+from ledger.client import ApproverClient
+from ledger.config import ConfigError, Settings
+from ledger.entrypoints.persons import (
+    NatsRefusedIdentity,
+    add_identity_arguments,
+    request_as_person,
+)
+from ledger.entrypoints.render import render_json
+from ledger.nats import Identity, Role
+from schemas import OperationStatus, Subjects
+
+__all__ = ["NatsRefusedIdentity", "add_decision_arguments", "decide"]
 
 EXIT_OK = 0
-
-
-class NatsRefusedIdentity(OpledgerError):
-    """NATS refused the approver's publish: the seed is not the named approver's."""
-
-    category = ErrorCategory.UNAUTHORIZED
-    code = "NOT_THIS_IDENTITY"
 
 
 def add_decision_arguments(parser: argparse.ArgumentParser, decision: str) -> None:
     """The options of `approvals approve` (`decision` "approve") or `approvals deny`."""
     parser.add_argument("operation_id", metavar="OP_ID")
-    parser.add_argument(
-        "--approver",
-        metavar="NAME",
-        help="your approver identity: the decision is signed with its NKey seed"
-        " (default: none; required unless --break-glass)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=Path,
-        help="NAME's NKey seed file (default: <creds>/approver-NAME.nk)",
-    )
-    parser.add_argument(
-        "--nats-url",
-        help="the NATS server(s) (default: $OPLEDGER_NATS_URL, else the running stack's)",
-    )
+    add_identity_arguments(parser, Role.APPROVER, "approver")
     if decision == "approve":
         parser.add_argument(
             "--proposal-hash",
@@ -105,74 +87,29 @@ def decide(args: argparse.Namespace, settings: Settings) -> int:
             "--as and --role are for --break-glass only: over NATS, who you are is your"
             " identity and your roles are the ledger's configuration"
         )
-    if not args.approver:
-        raise ConfigError("name your approver identity with --approver NAME")
-    name = _token(args.approver, "--approver")
-    creds = settings.creds_dir or settings.home / "creds"
-    seed = args.seed or Path(creds) / f"approver-{name}.nk"
-    try:
-        identity = Identity.from_seed_file(Role.APPROVER, name, seed)
-    except CredentialsError as error:
-        raise ConfigError(f"{error.message}; give your seed file with --seed") from None
-    url = args.nats_url or settings.nats_url or _stack_url(settings.home)
-    status = asyncio.run(_send(url, identity, args))
+    identity, status = request_as_person(
+        Role.APPROVER,
+        "approver",
+        args,
+        settings,
+        Subjects.approve,
+        lambda nc, identity: _send(nc, identity, args),
+    )
     data = {
         **status.model_dump(mode="json", exclude_none=True),
         "decision": args.decision,
-        "by": name,
+        "by": identity.name,
     }
     as_json = bool(getattr(args, "json", False))
     print(render_json(data) if as_json else _render_status(data))
     return EXIT_OK
 
 
-def _token(value: str, flag: str) -> str:
-    try:
-        return check_token(value)
-    except ValueError:
-        raise ConfigError(f"{flag} {value!r} is not a valid identity name") from None
-
-
-def _stack_url(home: Path) -> str:
-    stack = running_stack(home)
-    if stack is None:
-        raise ConfigError(
-            f"no NATS URL: no stack runs from {home.resolve()} (start one with `opledger up`),"
-            " and neither --nats-url nor OPLEDGER_NATS_URL is set"
-        )
-    return stack.nats_url
-
-
-async def _send(url: str, identity: Identity, args: argparse.Namespace) -> OperationStatus:
-    refused: list[str] = []
-
-    async def on_error(error: Exception) -> None:
-        if "permissions violation" in str(error):
-            refused.append(str(error))
-
-    try:
-        nc = await connect_as(
-            url, identity, error_cb=on_error, allow_reconnect=False, connect_timeout=5
-        )
-    except Exception as error:  # nats-py raises several kinds; all mean the same here
-        raise LedgerUnavailable(
-            f"cannot connect to NATS at {url} as approver {identity.name}"
-            f" ({type(error).__name__})"
-        ) from None
+async def _send(nc: Client, identity: Identity, args: argparse.Namespace) -> OperationStatus:
     client = ApproverClient(nc, identity.name)
-    try:
-        if args.decision == "approve":
-            return await client.approve(args.operation_id, proposal_hash=args.proposal_hash)
-        return await client.deny(args.operation_id, reason=args.reason)
-    except LedgerUnavailable:
-        if refused:
-            raise NatsRefusedIdentity(
-                f"NATS refused the publish on {Subjects.approve(identity.name)}: the seed"
-                f" {identity.seed_path} is not approver {identity.name}'s"
-            ) from None
-        raise
-    finally:
-        await nc.close()
+    if args.decision == "approve":
+        return await client.approve(args.operation_id, proposal_hash=args.proposal_hash)
+    return await client.deny(args.operation_id, reason=args.reason)
 
 
 def _render_status(data: dict[str, Any]) -> str:

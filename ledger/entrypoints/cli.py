@@ -10,8 +10,11 @@
     opledger ops list [--state S] [--tool T] [--tenant X] [--limit N]
     opledger ops show OP_ID [--as-of VERSION]
     opledger ops rebuild
-    opledger ops cancel OP_ID --as USER [--reason TEXT]
-    opledger ops resolve OP_ID (--applied | --not-applied) --as USER --reason TEXT
+    opledger ops watch [--from-start] [--count N] [--seconds S]
+    opledger ops cancel OP_ID --operator NAME [--reason TEXT]
+    opledger ops resolve OP_ID (--applied | --not-applied) --operator NAME --reason TEXT
+    opledger ops retry OP_ID --operator NAME --reason TEXT
+    opledger ops cancel|resolve|retry OP_ID ... --break-glass --as USER
     opledger audit verify [--expect-head HEAD] [--public-key KEY]... [--seal-grace SECONDS]
                           [--against-feed [--nats-url URL] [--creds FILE]]
     opledger audit head [--public-key KEY]...
@@ -34,9 +37,10 @@ code); `main` prints the data as JSON or renders it. Exit codes (see
 No command creates a ledger: a missing path, or a database without
 opledger's tables, is refused (`NO_LEDGER`, exit 2) with nothing written.
 The commands that only look (ops list/show, audit verify/head/export,
-approvals list/show) open the database read-only; `ops rebuild` and
-`approvals approve/deny --break-glass` write, and only there. An approver's
-own decision goes over NATS as their identity (`approving`). None of them seals: the seal
+approvals list/show) open the database read-only; `ops rebuild` and the
+`--break-glass` forms of `approvals approve|deny` and `ops cancel|resolve|retry`
+write, and only there. An approver's own decision goes over NATS as their
+identity (`approving`), and so does an operator's action (`operating`). None of them seals: the seal
 is written by the ledger service alone, with its key.
 """
 
@@ -70,6 +74,7 @@ from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 from ledger.entrypoints.approving import add_decision_arguments
 from ledger.entrypoints.console import render_status, status_view, watch
+from ledger.entrypoints.operating import add_operator_arguments, break_glass_user
 from ledger.entrypoints.parsing import (
     EXIT_BROKEN_PIPE,
     EXIT_FINDINGS,
@@ -81,6 +86,7 @@ from ledger.entrypoints.parsing import (
     settings_from,
 )
 from ledger.entrypoints.processes import add_process_commands
+from ledger.entrypoints.progress import Progress
 from ledger.entrypoints.render import (
     render_approval,
     render_decision,
@@ -184,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         args.settings = settings
         run: Callable[[argparse.Namespace, Settings], int] | None = getattr(args, "run", None)
         if getattr(args, "break_glass", False):
-            run = None  # an approver's decision written to the database directly
+            run = None  # a person's decision or action written to the database directly
+            check = getattr(args, "break_glass_check", None)
+            if check is not None:
+                check(args)  # before the database is opened: a refusal writes nothing
         if run is not None:  # a process or NATS command: it prints what it has to say
             return run(args, settings)
         with _open_ledger(settings, read_only=args.access == READ) as ledger:
@@ -332,22 +341,38 @@ def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
     cancel = _leaf(
         actions,
         "cancel",
-        "cancel an operation: at once if it has not started, by request if it runs",
+        "cancel an operation, as your operator identity (over NATS): at once if it has"
+        " not started, by request if it runs",
         common,
-        ops_cancel,
+        ops_cancel_break_glass,
         WRITE,
     )
     cancel.add_argument("operation_id", metavar="OP_ID")
-    cancel.add_argument("--as", dest="user", required=True, help="who cancels it (recorded)")
     cancel.add_argument("--reason", default="", help="why (recorded; default: none given)")
+    add_operator_arguments(cancel, "cancel")
     resolve = _leaf(
         actions,
         "resolve",
-        "settle an operation whose outcome is unknown: say what happened, and why",
+        "settle an operation whose outcome is unknown, as your operator identity (over"
+        " NATS): say what happened, and why",
         common,
-        ops_resolve,
+        ops_resolve_break_glass,
         WRITE,
     )
+    retry = _leaf(
+        actions,
+        "retry",
+        "run a failed operation again, as your operator identity (over NATS): a new"
+        " attempt under the same operation ID, and why",
+        common,
+        ops_retry_break_glass,
+        WRITE,
+    )
+    retry.add_argument("operation_id", metavar="OP_ID")
+    retry.add_argument(
+        "--reason", required=True, help="why (recorded), e.g. what changed since it failed"
+    )
+    add_operator_arguments(retry, "retry")
     watching = _leaf(actions, "watch", "follow events as they are stored", common, ops_watch)
     watching.add_argument(
         "--from-start", action="store_true", help="begin with the first event (default: new ones)"
@@ -366,8 +391,8 @@ def _add_ops(groups: Any, common: argparse.ArgumentParser) -> None:
     happened.add_argument(
         "--not-applied", action="store_true", help="it did not happen: it failed, final"
     )
-    resolve.add_argument("--as", dest="user", required=True, help="who settles it (recorded)")
     resolve.add_argument("--reason", required=True, help="why (recorded), e.g. what you checked")
+    add_operator_arguments(resolve, "resolve")
 
 
 def _public_key_option(parser: argparse.ArgumentParser) -> None:
@@ -475,7 +500,11 @@ def ops_list(ledger: Ledger, args: argparse.Namespace) -> Output:
 
 def ops_rebuild(ledger: Ledger, args: argparse.Namespace) -> Output:  # noqa: ARG001
     """`ops rebuild`: the operations view dropped and projected again from the events."""
-    count = ledger.projector.rebuild()
+    line = Progress("rebuilding the view", "events")
+    try:
+        count = ledger.projector.rebuild(line.update)
+    finally:
+        line.finish()
     return Output({"events_projected": count}, render_rebuild)
 
 
@@ -529,19 +558,30 @@ def ops_watch(ledger: Ledger, args: argparse.Namespace) -> Output:
     return Output(None, lambda _: "", quiet=True)
 
 
-def ops_cancel(ledger: Ledger, args: argparse.Namespace) -> Output:
-    """`ops cancel`: cancelled if it has not run, cancel requested if it runs, and
-    `CancelTooLate` recorded if it already has its outcome."""
-    operation = ledger.cancel(args.operation_id, by=args.user, reason=args.reason)
+def ops_cancel_break_glass(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops cancel --break-glass`: cancelled if it has not run, cancel requested if it
+    runs, and `CancelTooLate` recorded if it already has its outcome; written to the
+    database directly, as `break-glass:USER`."""
+    operation = ledger.cancel(args.operation_id, by=break_glass_user(args), reason=args.reason)
     return _shown(ledger, operation, args.operation_id)
 
 
-def ops_resolve(ledger: Ledger, args: argparse.Namespace) -> Output:
-    """`ops resolve`: a person settles an unknown outcome (`Reconciled`, with who and why)."""
+def ops_resolve_break_glass(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops resolve --break-glass`: a person settles an unknown outcome (`Reconciled`,
+    with who and why), written to the database directly."""
     operation = ledger.resolve(
-        args.operation_id, by=args.user, applied=args.applied, reason=args.reason
+        args.operation_id, by=break_glass_user(args), applied=args.applied, reason=args.reason
     )
     return _shown(ledger, operation, args.operation_id)
+
+
+def ops_retry_break_glass(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`ops retry --break-glass`: a failed call runs again as a new operation, written
+    to the database directly (the service dispatches it from its events)."""
+    retried = ledger.retry(
+        args.operation_id, by=break_glass_user(args), reason=args.reason, via="break_glass"
+    )
+    return _shown(ledger, ledger.get(retried.operation_id), retried.operation_id)
 
 
 def _shown(ledger: Ledger, operation: Operation, operation_id: str) -> Output:
@@ -558,9 +598,17 @@ def audit_verify(ledger: Ledger, args: argparse.Namespace) -> Output:
     digest, anchor = _expected_head(args.expect_head)
     trusted = _trusted_keys(args)
     grace = timedelta(seconds=args.seal_grace)
-    report = ledger.verify(
-        expected_head=digest, trusted_keys=trusted, seal_grace=grace, anchor=anchor
-    )
+    line = Progress("verifying", "chunks")
+    try:
+        report = ledger.verify(
+            expected_head=digest,
+            trusted_keys=trusted,
+            seal_grace=grace,
+            anchor=anchor,
+            progress=line.update,
+        )
+    finally:
+        line.finish()
     if args.against_feed:
         records = _read_feed(args)
         comparison = compare_feed(
@@ -697,13 +745,17 @@ async def _feed_records(url: str, identity: Any) -> list[FeedRecord | Finding]:
 
 def audit_export(ledger: Ledger, args: argparse.Namespace) -> Output:
     """`audit export`: JSON Lines to a file or stdout; the count goes to stderr."""
-    if args.output is None:
-        sys.stdout.flush()
-        count = ledger.export(sys.stdout.buffer)
-        sys.stdout.buffer.flush()
-    else:
-        with _open_output(args.output) as out:
-            count = ledger.export(out)
+    line = Progress("exporting", "events")
+    try:
+        if args.output is None:
+            sys.stdout.flush()
+            count = ledger.export(sys.stdout.buffer, line.update)
+            sys.stdout.buffer.flush()
+        else:
+            with _open_output(args.output) as out:
+                count = ledger.export(out, line.update)
+    finally:
+        line.finish()
     target = "-" if args.output is None else str(args.output)
     return Output({"exported": count, "output": target}, render_export, to_stderr=True)
 

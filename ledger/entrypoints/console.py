@@ -28,7 +28,7 @@ from ledger.domain.states import OperationState
 from ledger.server.relay import read_set_aside
 from ledger.service import Ledger
 
-__all__ = ["render_status", "status_view", "watch"]
+__all__ = ["EventLines", "render_status", "status_view", "watch"]
 
 S = OperationState
 
@@ -198,6 +198,51 @@ def render_status(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class EventLines:
+    """Turns the events stored after a position into one line each, as they come."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        from_start: bool = False,
+        after: int | None = None,
+        as_json: bool = False,
+    ) -> None:
+        """Lines of the events after `after` (a position), else from the first event if
+        `from_start`, else from the ones stored from now on."""
+        self._reader = ledger.event_reader
+        self._mapper = ledger.events.mapper
+        self._as_json = as_json
+        if after is not None:
+            self.position = after
+        else:
+            self.position = -(2**63) if from_start else self._reader.last_position()
+
+    def next_lines(self, limit: int = 500) -> list[str]:
+        """The lines of up to `limit` events stored since the last call (none: nothing new)."""
+        lines: list[str] = []
+        for row_position, operation_id, version, topic, state in self._reader.rows_after(
+            self.position, limit
+        ):
+            self.position = row_position
+            event: Any = self._mapper.to_domain_event(
+                StoredEvent(operation_id, version, topic, state)
+            )
+            kind = EVENT_KINDS.get(type(event))
+            summary = kind.summary(event) if kind else ""
+            if self._as_json:
+                lines.append(json.dumps({
+                    "position": row_position, "operation_id": operation_id,
+                    "version": version, "type": type(event).__name__,
+                    "timestamp": when_text(event.timestamp), "summary": summary,
+                }))
+            else:
+                lines.append(f"{when_text(event.timestamp)}  {operation_id}  v{version}"
+                             f"  {type(event).__name__}: {summary}")
+        return lines
+
+
 def watch(
     ledger: Ledger,
     *,
@@ -210,31 +255,15 @@ def watch(
 ) -> int:
     """Print each event as it is stored, one line each, until `count` events or
     `seconds` have passed (or Ctrl-C); returns how many were printed."""
-    reader = ledger.event_reader
-    position = -(2**63) if from_start else reader.last_position()
+    lines = EventLines(ledger, from_start=from_start, as_json=as_json)
     deadline = None if seconds is None else time.monotonic() + seconds
     shown = 0
-    mapper = ledger.events.mapper
     while (count is None or shown < count) and (deadline is None or time.monotonic() < deadline):
-        rows = reader.rows_after(position, 500)
-        if not rows:
+        batch = lines.next_lines(500 if count is None else min(500, count - shown))
+        if not batch:
             time.sleep(poll_s)
             continue
-        for row_position, operation_id, version, topic, state in rows:
-            position = row_position
-            event: Any = mapper.to_domain_event(StoredEvent(operation_id, version, topic, state))
-            kind = EVENT_KINDS.get(type(event))
-            summary = kind.summary(event) if kind else ""
-            if as_json:
-                emit(json.dumps({
-                    "position": row_position, "operation_id": operation_id,
-                    "version": version, "type": type(event).__name__,
-                    "timestamp": when_text(event.timestamp), "summary": summary,
-                }))
-            else:
-                emit(f"{when_text(event.timestamp)}  {operation_id}  v{version}"
-                     f"  {type(event).__name__}: {summary}")
+        for line in batch:
+            emit(line)
             shown += 1
-            if count is not None and shown >= count:
-                break
     return shown

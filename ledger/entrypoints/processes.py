@@ -14,12 +14,16 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from executors import add_run_arguments, run_executor
+from ledger import StorageConfig
 from ledger.config import ConfigError, Settings
 from ledger.entrypoints.parsing import EXIT_OK, EXIT_REFUSED
 from ledger.server.main import add_serve_arguments, run_service
+
+if TYPE_CHECKING:
+    from ledger.entrypoints.console import EventLines
 
 __all__ = ["ProcessCommand", "add_process_commands"]
 
@@ -69,6 +73,11 @@ def _add_up(commands: Any, common: argparse.ArgumentParser) -> None:
         help="let the ledger service seal events no signed head covers yet (a home written"
         " by a version before signed heads); see docs/operations.md",
     )
+    up.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print no line per stored event (default: one line each, as `ops watch`)",
+    )
     up.set_defaults(run=_up)
 
 
@@ -83,12 +92,20 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # Where the events stood before the stack started: what anyone proposes as soon as
+    # it runs is printed too (a home used before has its history; a new one none).
+    after = None if args.quiet else _last_position(stack.database)
     # A failure to start is an `OpledgerError`: the command line prints it (exit 2).
     stack.start()
+    follow = None if after is None else _follow(stack.database, after)
     print(stack.describe(), flush=True)
     print("Ctrl-C stops everything.", flush=True)
     try:
-        while not stop.wait(1.0):
+        while not stop.wait(0.5):
+            if follow is not None:
+                # What the stack does, as it happens: one line per stored event.
+                for line in follow.next_lines():
+                    print(line, flush=True)
             for name, process in stack.processes.items():
                 if process.poll() is not None:
                     print(
@@ -101,6 +118,38 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
         print("stopping…", flush=True)
         stack.stop()
     return EXIT_OK
+
+
+def _last_position(database: Path) -> int | None:
+    """The last stored event's position (0 for a ledger not made yet); None if it cannot
+    be read (then `up` runs without following)."""
+    if not database.exists():
+        return 0
+    from ledger.bootstrap import open_ledger
+
+    try:
+        ledger = open_ledger(StorageConfig.sqlite(database), read_only=True)
+    except Exception as error:  # a home without a ledger yet, or one being written
+        print(f"warning: not following events: {error}", file=sys.stderr)
+        return None
+    try:
+        return ledger.event_reader.last_position()
+    finally:
+        ledger.close()
+
+
+def _follow(database: Path, after: int) -> EventLines | None:
+    """The stack's events after `after` as lines, read from its ledger (read-only), or
+    None if the ledger cannot be read (the stack runs on; only the lines are missing)."""
+    from ledger.bootstrap import open_ledger
+    from ledger.entrypoints.console import EventLines
+
+    try:
+        ledger = open_ledger(StorageConfig.sqlite(database), read_only=True)
+    except Exception as error:  # the stack's own service holds it; say why, run on
+        print(f"warning: not following events: {error}", file=sys.stderr)
+        return None
+    return EventLines(ledger, after=after)
 
 
 # ---------------------------------------------------------------------------- demo
@@ -210,6 +259,12 @@ def _add_creds(commands: Any, common: argparse.ArgumentParser) -> None:
         help="approver identities, comma-separated (default: none); their roles are the"
         " ledger service's --approver NAME=ROLE",
     )
+    creds.add_argument(
+        "--operators",
+        default="",
+        help="operator identities, comma-separated (default: none): `ops cancel|resolve|retry"
+        " --operator NAME`",
+    )
     creds.add_argument("--port", type=int, default=4222, help="client port in the config")
     creds.set_defaults(run=_creds)
 
@@ -231,6 +286,7 @@ def _creds(args: argparse.Namespace, settings: Settings) -> int:
         tools=tools,
         auditors=[a for a in args.auditors.split(",") if a],
         approvers=[a for a in args.approvers.split(",") if a],
+        operators=[o for o in args.operators.split(",") if o],
     )
     config = write_server_config(
         out / "nats-server.conf",

@@ -19,7 +19,7 @@ from typing import Any
 
 from ledger.config import ConfigError, Settings
 from ledger.entrypoints.parsing import EXIT_OK
-from policy import ApprovalMode, ContractRegistry, ToolContract, export_tool
+from policy import ContractRegistry, export_tool, offered_contracts
 
 __all__ = ["add_tools_command", "offered_contracts"]
 
@@ -50,18 +50,6 @@ def add_tools_command(commands: Any, common: argparse.ArgumentParser) -> None:
         help="contract directory (default: $OPLEDGER_CONTRACTS_DIR, else the samples)",
     )
     export.set_defaults(run=_export)
-
-
-def offered_contracts(
-    contracts: list[ToolContract], capabilities: frozenset[str] | None
-) -> list[ToolContract]:
-    """The contracts a caller with `capabilities` (None: any) may call, by name."""
-    offered = [
-        c for c in contracts
-        if c.approval.mode is not ApprovalMode.FORBIDDEN
-        and (capabilities is None or c.required_capabilities <= capabilities)
-    ]
-    return sorted(offered, key=lambda c: c.name)
 
 
 def _export(args: argparse.Namespace, settings: Settings) -> int:

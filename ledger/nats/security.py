@@ -251,6 +251,7 @@ def permissions_for(role: Role, name: str) -> Permissions:
                 Subjects.all_proposals(),
                 Subjects.all_status_requests(),
                 Subjects.all_cancel_requests(),
+                Subjects.all_tool_requests(),
                 Subjects.all_operator_requests(),
                 Subjects.all_approver_requests(),
                 Subjects.all_lease_requests(),
@@ -271,7 +272,12 @@ def permissions_for(role: Role, name: str) -> Permissions:
         return Permissions(publish=(Subjects.approve(name),), subscribe=(inbox,))
     if role is Role.HOST:
         return Permissions(
-            publish=(Subjects.propose(name), Subjects.status(name), Subjects.cancel(name)),
+            publish=(
+                Subjects.propose(name),
+                Subjects.status(name),
+                Subjects.cancel(name),
+                Subjects.tools(name),
+            ),
             subscribe=(Subjects.all_outcomes(name), inbox),
         )
     if role is Role.EXECUTOR:
@@ -643,6 +649,7 @@ _REQUESTER_ROLE = {
     "propose": Role.HOST,
     "status": Role.HOST,
     "cancel": Role.HOST,
+    "tools": Role.HOST,
     "operate": Role.OPERATOR,
     "approve": Role.APPROVER,
     "lease": Role.EXECUTOR,

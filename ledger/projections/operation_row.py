@@ -50,6 +50,7 @@ VIEW_COLUMNS = (
     "host",
 )
 
+
 @dataclass(frozen=True, slots=True)
 class OperationRow:
     """One row of the operations view."""
@@ -105,8 +106,9 @@ def _event_type(topic: str) -> str:
     return topic.rsplit(".", 1)[-1]
 
 
-ROW_COLUMNS = (*VIEW_COLUMNS, "lease_expires_at")
-"""Every column of a view row, in table order (`VIEW_COLUMNS` and the lease's expiry)."""
+ROW_COLUMNS = (*VIEW_COLUMNS, "lease_expires_at", "trace_parent")
+"""Every column of a view row, in table order (`VIEW_COLUMNS`, the lease's expiry, and
+the traceparent the operation's spans continue)."""
 
 Row = dict[str, Any]
 """One view row as column → value, exactly the values SQL stores and returns."""
@@ -153,6 +155,7 @@ def _proposed_row(operation_id: str, version: int, state: dict[str, Any]) -> Row
         "proposal_hash": None,
         "host": state.get("host", ""),
         "lease_expires_at": None,
+        "trace_parent": state.get("trace_parent"),
     }
 
 

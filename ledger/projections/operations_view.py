@@ -23,7 +23,7 @@ best of 5), and the view is brought up to date every 20 ms while events flow.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -77,7 +77,8 @@ _SCHEMA = [
         approvals_granted INTEGER NOT NULL DEFAULT 0,
         proposal_hash TEXT,
         host TEXT NOT NULL DEFAULT '',
-        lease_expires_at TEXT
+        lease_expires_at TEXT,
+        trace_parent TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS opledger_operations_budget"
     " ON opledger_operations (tenant, actor, tool, created_at)",
@@ -87,6 +88,10 @@ _SCHEMA = [
         position BIGINT NOT NULL
     )""",
 ]
+
+
+_LATER_COLUMNS = ("lease_expires_at", "trace_parent")
+"""Columns added after the first views were made (each TEXT, empty in older rows)."""
 
 
 def _as_row(values: Sequence[Any]) -> Row:
@@ -116,7 +121,7 @@ class OperationsProjector:
         with db.transaction():
             for statement in _SCHEMA:
                 db.execute(statement)
-            self._add_lease_column(db)
+            self._add_later_columns(db)
             db.execute(
                 "INSERT INTO opledger_positions (name, position) VALUES (?, 0)"
                 " ON CONFLICT (name) DO NOTHING",
@@ -124,33 +129,39 @@ class OperationsProjector:
             )
 
     @staticmethod
-    def _add_lease_column(db: SqlDatabase) -> None:
-        # Views made before the column existed get it empty; the lease sweep
-        # treats an empty one as "look at the operation itself".
+    def _add_later_columns(db: SqlDatabase) -> None:
+        # Views made before a column existed get it empty: the lease sweep treats an
+        # empty expiry as "look at the operation itself", the relay an empty
+        # traceparent as "no trace to continue".
         if db.is_postgres:
             # Look before altering: even `ADD COLUMN IF NOT EXISTS` takes an exclusive
             # lock on the table, and a second handle opened while the service writes
             # (an operator's command, a test's) deadlocked against the service's inserts.
-            present = db.query(
-                "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()"
-                " AND table_name = 'opledger_operations' AND column_name = 'lease_expires_at'"
-            )
-            if not present:
-                db.execute(
-                    "ALTER TABLE opledger_operations ADD COLUMN IF NOT EXISTS lease_expires_at TEXT"
+            present = {
+                str(row[0])
+                for row in db.query(
+                    "SELECT column_name FROM information_schema.columns"
+                    " WHERE table_schema = current_schema()"
+                    " AND table_name = 'opledger_operations'"
                 )
-            return
-        columns = {row[1] for row in db.query("PRAGMA table_info(opledger_operations)")}
-        if "lease_expires_at" not in columns:
-            db.execute("ALTER TABLE opledger_operations ADD COLUMN lease_expires_at TEXT")
+            }
+        else:
+            present = {row[1] for row in db.query("PRAGMA table_info(opledger_operations)")}
+        # IF NOT EXISTS on PostgreSQL still: two writers that both looked before either
+        # altered (two instances starting at once) must not fail the second.
+        exists = " IF NOT EXISTS" if db.is_postgres else ""
+        for column in _LATER_COLUMNS:
+            if column not in present:
+                db.execute(f"ALTER TABLE opledger_operations ADD COLUMN{exists} {column} TEXT")
 
     def position(self) -> int:
         """The last notification ID the view includes."""
         rows = self._db.query("SELECT position FROM opledger_positions WHERE name = ?", (_NAME,))
         return int(rows[0][0]) if rows else 0
 
-    def catch_up(self) -> int:
-        """Project every notification not yet in the view; returns how many.
+    def catch_up(self, progress: Callable[[int], None] | None = None) -> int:
+        """Project every notification not yet in the view; returns how many (`progress`
+        is told the count after each batch).
 
         `projected` then holds the position the view started from and the
         notifications it took in, in order, for the sealer to reuse when it
@@ -161,6 +172,8 @@ class OperationsProjector:
         while True:
             count = self._project_batch()
             total += count
+            if progress is not None:
+                progress(total)
             if count < self._batch_size:
                 return total
 
@@ -241,12 +254,12 @@ class OperationsProjector:
             )
             return len(notifications)
 
-    def rebuild(self) -> int:
+    def rebuild(self, progress: Callable[[int], None] | None = None) -> int:
         """Drop the view and project every event again (the seal is left alone)."""
         with self._db.transaction():
             self._db.execute("DELETE FROM opledger_operations")
             self._db.execute("UPDATE opledger_positions SET position = 0 WHERE name = ?", (_NAME,))
-        return self.catch_up()
+        return self.catch_up(progress)
 
     def unprojected(self) -> dict[str, Row]:
         """The rows of the operations whose events the view has not taken in yet, folded here.
@@ -318,14 +331,26 @@ class OperationsProjector:
         )
         return OperationRow(*rows[0]) if rows else None
 
-    def routes(self, operation_ids: Iterable[str]) -> dict[str, tuple[str, str | None, str]]:
-        """operation ID → (tool, tool version, host), for the IDs the view has (batched)."""
+    def routes(
+        self, operation_ids: Iterable[str]
+    ) -> dict[str, tuple[str, str | None, str, str | None]]:
+        """operation ID → (tool, tool version, host, traceparent), for the IDs the view
+        has (batched)."""
         rows = self._db.query_in(
-            "SELECT operation_id, tool, tool_version, host FROM opledger_operations"
+            "SELECT operation_id, tool, tool_version, host, trace_parent FROM opledger_operations"
             " WHERE operation_id IN ({marks})",
             list(dict.fromkeys(operation_ids)),
         )
-        return {operation_id: (tool, version, host) for operation_id, tool, version, host in rows}
+        return {row[0]: (row[1], row[2], row[3], row[4]) for row in rows}
+
+    def trace_parent(self, operation_id: str) -> str | None:
+        """The traceparent an operation's spans continue (None: untraced, or not in
+        the view yet)."""
+        rows = self._db.query(
+            "SELECT trace_parent FROM opledger_operations WHERE operation_id = ?",
+            (operation_id,),
+        )
+        return str(rows[0][0]) if rows and rows[0][0] else None
 
     def lease_expiry_candidates(self, now: datetime) -> list[str]:
         """Leased operations (executing, or asked to cancel while running) whose lease ran
@@ -340,17 +365,25 @@ class OperationsProjector:
 
     def waiting_since_before(
         self, moment: datetime
-    ) -> list[tuple[str, str, str | None, int, str]]:
+    ) -> list[tuple[str, str, str | None, int, str, str | None]]:
         """Operations waiting for a work item (ready, or with an outcome to look up)
-        unchanged since before `moment`: (ID, tool, version, attempts, state)."""
+        unchanged since before `moment`: (ID, tool, version, attempts, state, traceparent)."""
         rows = self._db.query(
-            "SELECT operation_id, tool, tool_version, attempts, state FROM opledger_operations"
+            "SELECT operation_id, tool, tool_version, attempts, state, trace_parent"
+            " FROM opledger_operations"
             " WHERE state IN ('ready', 'outcome_unknown', 'reconciling') AND updated_at <= ?"
             " ORDER BY updated_at",
             (_iso(moment),),
         )
         return [
-            (str(r[0]), str(r[1]), None if r[2] is None else str(r[2]), int(r[3]), str(r[4]))
+            (
+                str(r[0]),
+                str(r[1]),
+                None if r[2] is None else str(r[2]),
+                int(r[3]),
+                str(r[4]),
+                None if r[5] is None else str(r[5]),
+            )
             for r in rows
         ]
 

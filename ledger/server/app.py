@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -23,6 +23,8 @@ from faststream.nats import NatsBroker
 from faststream.nats.security import NatsNKey
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from pydantic import BaseModel, ValidationError
 
 from ledger.domain.states import TERMINAL_STATES, ResultDisposition
@@ -31,7 +33,9 @@ from ledger.server.metrics import LedgerMetrics
 from ledger.server.redispatch import Redispatcher
 from ledger.server.relay import Relay, RelayPorts, RelayPositions
 from ledger.server.requests import RequestServer
-from ledger.service import Ledger
+from ledger.server.transient import log_failure
+from ledger.service import Ledger, Submission
+from policy import export_tool, offered_contracts
 from schemas import (
     RESULTS_CONSUMER,
     RESULTS_STREAM,
@@ -40,6 +44,7 @@ from schemas import (
     ErrorCategory,
     ErrorEnvelope,
     ErrorInfo,
+    GenAI,
     LeaseRequest,
     OperatorRequest,
     OpledgerError,
@@ -49,7 +54,15 @@ from schemas import (
     ResultEnvelope,
     StatusRequest,
     Subjects,
+    ToolsReply,
+    ToolsRequest,
+    TraceAttr,
+    context_from_headers,
+    context_from_traceparent,
+    current_traceparent,
     host_operation_id,
+    ledger_operation_id,
+    tracer,
 )
 
 __all__ = ["LedgerService", "ServiceOptions", "build_relay", "relay_ports"]
@@ -84,6 +97,9 @@ class ServiceOptions:
     metrics_port: int | None = None
     """Serve Prometheus metrics on 127.0.0.1 at this port."""
     metrics_addr: str = "127.0.0.1"
+    instance: str = "ledger"
+    """This instance's name (its identity's, `--name`): in its log lines, its metrics
+    (`opledger_ledger_instance_info`) and the relay's holder."""
     redispatch_after: timedelta | None = timedelta(seconds=60)
     """How long an operation may stay ready with its tool's queue empty before its work
     item is published again (`ledger.server.redispatch`); None: never."""
@@ -110,6 +126,22 @@ def _invalid(exc: ValidationError) -> ErrorInfo:
             ]
         },
     )
+
+
+_NAME_BYTES = 128
+"""How much of a name a caller sent (a tool, say) a span attribute keeps."""
+
+
+def _named(value: str) -> str:
+    return value[:_NAME_BYTES]
+
+
+def _refusal(span: Span, error: ErrorInfo) -> None:
+    """Mark `span` refused with `error`'s code; an error status only where the ledger,
+    not the caller, failed."""
+    span.set_attribute(TraceAttr.REFUSAL, error.code)
+    if error.category is ErrorCategory.INTERNAL:
+        span.set_status(Status(StatusCode.ERROR, error.code))
 
 
 def _reply(model: BaseModel) -> bytes:
@@ -150,6 +182,7 @@ def relay_ports(ledger: Ledger) -> RelayPorts:
         ),
         note_set_aside=note_set_aside,
         final_states=frozenset(state.value for state in TERMINAL_STATES),
+        last_position=ledger.event_reader.last_position,
     )
 
 
@@ -160,6 +193,74 @@ def build_relay(
     `relay`: the class, or a factory taking `Relay`'s arguments)."""
     ledger = gateway.ledger
     return relay(gateway, nc, relay_ports(ledger), RelayPositions(ledger.db), **options)
+
+
+def _record_span(message: Any, envelope: ResultEnvelope) -> Span:
+    """The span of recording one result, in the trace the executor's result carries
+    (a no-op span if tracing fails: recording never depends on it)."""
+    try:
+        return tracer().start_span(
+            "opledger.record",
+            context=context_from_headers(message.headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                TraceAttr.OPERATION_ID: envelope.operation_id,
+                GenAI.TOOL_NAME: envelope.provenance.tool,
+                TraceAttr.FENCING_TOKEN: envelope.fencing_token,
+                TraceAttr.OUTCOME: envelope.outcome.value,
+            },
+        )
+    except Exception:
+        _log.debug("no span for the result of %s", envelope.operation_id, exc_info=True)
+        return trace.INVALID_SPAN
+
+
+def _end_record_span(span: Span, outcome: ResultDisposition | BaseException) -> None:
+    try:
+        if isinstance(outcome, OpledgerError):
+            _refusal(span, outcome.to_info())
+        elif isinstance(outcome, BaseException):
+            span.record_exception(outcome)
+            span.set_status(Status(StatusCode.ERROR, type(outcome).__name__))
+        else:
+            span.set_attribute(TraceAttr.DISPOSITION, outcome.value)
+        span.end()
+    except Exception:
+        _log.debug("could not end a result's span", exc_info=True)
+
+
+def _ledger_id(host: str, operation_id: str) -> str:
+    """The ledger's ID of a host's operation, or the host's ID as sent if it is none
+    (the request is refused anyway; the span still names what was asked)."""
+    try:
+        return ledger_operation_id(host, operation_id)
+    except ValueError:
+        return _named(operation_id)
+
+
+def _describe_submission(span: Span, submission: Submission) -> None:
+    """The check's verdict on the span: the operation, its state and decision, risk."""
+    span.set_attributes(
+        {
+            TraceAttr.OPERATION_ID: submission.operation_id,
+            TraceAttr.STATE: submission.state.value,
+            TraceAttr.CREATED: submission.created,
+        }
+    )
+    decision = submission.decision
+    if decision is None:
+        return
+    span.set_attributes(
+        {
+            TraceAttr.DECISION: decision.outcome.value,
+            TraceAttr.APPROVAL_REQUIRED: decision.approval is not None,
+        }
+    )
+    if decision.risk is not None:
+        span.set_attribute(TraceAttr.RISK, decision.risk.value)
+        span.set_attribute(TraceAttr.RISK_REASONS, list(decision.risk_reasons))
+    if decision.issues:
+        span.set_attribute(TraceAttr.REFUSAL, decision.issues[0].code)
 
 
 class LedgerService:
@@ -200,6 +301,7 @@ class LedgerService:
         await requests.serve(Subjects.all_proposals(), self._on_propose, error_reply=_refused)
         await requests.serve(Subjects.all_status_requests(), self._on_status)
         await requests.serve(Subjects.all_cancel_requests(), self._on_cancel)
+        await requests.serve(Subjects.all_tool_requests(), self._on_tools)
         await requests.serve(Subjects.all_operator_requests(), self._on_operate)
         await requests.serve(Subjects.all_approver_requests(), self._on_approve)
         await requests.serve(Subjects.all_lease_requests(), self._lease)
@@ -223,20 +325,47 @@ class LedgerService:
             request = CancelRequest.model_validate_json(body)
         except ValidationError as exc:
             return _failed(_invalid(exc))
+        operation_id = _ledger_id(host, request.operation_id)
+        with self._operation_span("opledger.cancel", operation_id) as span:
+            span.set_attribute(TraceAttr.COMMAND, "cancel")
+            try:
+                status = await self._gateway.cancel(request.operation_id, host, request.reason)
+            except OpledgerError as error:
+                _refusal(span, error.to_info())
+                return _failed(error.to_info(), request.operation_id)
+            span.set_attribute(TraceAttr.STATE, status.state)
+            return _reply(status)
+
+    async def _on_tools(self, body: bytes, host: str) -> bytes:  # noqa: ARG002
         try:
-            return _reply(await self._gateway.cancel(request.operation_id, host, request.reason))
-        except OpledgerError as error:
-            return _failed(error.to_info(), request.operation_id)
+            request = ToolsRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _failed(_invalid(exc))
+        # The catalog the service checks against: what the model is shown is what
+        # the ledger will hold its calls to (the host's name is not a filter: a
+        # host's callers differ, their capabilities say what each may call).
+        catalog = self.ledger.checker.catalog
+        capabilities = (
+            None if request.capabilities is None else frozenset(request.capabilities)
+        )
+        offered = offered_contracts([contract for _, contract in catalog.items()], capabilities)
+        tools = [export_tool(contract, request.format) for contract in offered]
+        return _reply(ToolsReply(format=request.format, tools=tools))
 
     async def _on_operate(self, body: bytes, operator: str) -> bytes:
         try:
             request = OperatorRequest.model_validate_json(body)
         except ValidationError as exc:
             return _failed(_invalid(exc))
-        try:
-            return _reply(await self._gateway.operate(request, operator))
-        except OpledgerError as error:
-            return _failed(error.to_info(), request.operation_id)
+        with self._operation_span(f"opledger.{request.command}", request.operation_id) as span:
+            span.set_attributes({TraceAttr.COMMAND: request.command, "opledger.operator": operator})
+            try:
+                status = await self._gateway.operate(request, operator)
+            except OpledgerError as error:
+                _refusal(span, error.to_info())
+                return _failed(error.to_info(), request.operation_id)
+            span.set_attribute(TraceAttr.STATE, status.state)
+            return _reply(status)
 
     async def _on_approve(self, body: bytes, approver: str) -> bytes:
         try:
@@ -246,10 +375,36 @@ class LedgerService:
         # Who decides is the subject's name (the broker let only that identity
         # publish there), with the roles this service was configured with.
         roles = self.options.approver_roles.get(approver, frozenset())
-        try:
-            return _reply(await self._gateway.decide(request, approver, roles))
-        except OpledgerError as error:
-            return _failed(error.to_info(), request.operation_id)
+        with self._operation_span("opledger.approval", request.operation_id) as span:
+            span.set_attributes(
+                {
+                    TraceAttr.APPROVAL_ACTION: request.command,
+                    TraceAttr.APPROVAL_APPROVER: approver,
+                    TraceAttr.APPROVAL_VIA: "nats",
+                }
+            )
+            try:
+                status = await self._gateway.decide(request, approver, roles)
+            except OpledgerError as error:
+                _refusal(span, error.to_info())
+                return _failed(error.to_info(), request.operation_id)
+            span.set_attribute(TraceAttr.STATE, status.state)
+            return _reply(status)
+
+    @contextlib.contextmanager
+    def _operation_span(self, name: str, operation_id: str) -> Iterator[Span]:
+        """A span in the trace of the operation's proposal (which may be days old),
+        linked to the trace of the request that caused it, if it came with one."""
+        stored = self.ledger.projector.trace_parent(operation_id)
+        caller = trace.get_current_span().get_span_context()
+        with tracer().start_as_current_span(
+            name,
+            context=context_from_traceparent(stored) if stored else None,
+            kind=SpanKind.SERVER,
+            links=[Link(caller)] if stored and caller.is_valid else None,
+            attributes={TraceAttr.OPERATION_ID: operation_id},
+        ) as span:
+            yield span
 
     @property
     def _gateway(self) -> LedgerGateway:
@@ -270,10 +425,26 @@ class LedgerService:
                     message="this host may not act for that tenant",
                 )
             )
-        try:
-            submission = await self._gateway.submit((envelope.proposal, envelope.context, host))
-        except OpledgerError as error:
-            return ProposeReply(error=error.to_info())
+        proposal = envelope.proposal
+        with tracer().start_as_current_span(
+            "opledger.check",
+            kind=SpanKind.SERVER,
+            attributes={
+                GenAI.TOOL_NAME: _named(proposal.tool_name),
+                TraceAttr.HOST: host,
+                TraceAttr.TENANT: _named(envelope.context.tenant),
+            },
+        ) as span:
+            try:
+                # The check's own context is kept with the operation: every later
+                # span about it, on any process, joins this trace.
+                submission = await self._gateway.submit(
+                    (proposal, envelope.context, host, current_traceparent())
+                )
+            except OpledgerError as error:
+                _refusal(span, error.to_info())
+                return ProposeReply(error=error.to_info())
+            _describe_submission(span, submission)
         return ProposeReply(
             # The host's own ID: the ledger's `<host>/<id>` is not the host's concern.
             operation_id=host_operation_id(submission.operation_id),
@@ -287,15 +458,31 @@ class LedgerService:
             request = LeaseRequest.model_validate_json(body)
         except ValidationError as exc:
             return _failed(_invalid(exc))
-        try:
-            if request.holding is not None:
-                reply = await self._gateway.check_in(
-                    request.operation_id, tool, request.holding
-                )
-            else:
+        if request.holding is not None:  # a check-in: frequent, read only, not traced
+            try:
+                reply = await self._gateway.check_in(request.operation_id, tool, request.holding)
+            except OpledgerError as error:
+                return _failed(error.to_info(), request.operation_id)
+            return _reply(reply)
+        with tracer().start_as_current_span(
+            "opledger.lease",
+            kind=SpanKind.SERVER,
+            attributes={
+                TraceAttr.OPERATION_ID: _named(request.operation_id),
+                GenAI.TOOL_NAME: tool,
+                TraceAttr.EXECUTOR: _named(request.executor),
+            },
+        ) as span:
+            try:
                 reply = await self._gateway.lease(request.operation_id, request.executor, tool)
-        except OpledgerError as error:
-            return _failed(error.to_info(), request.operation_id)
+            except OpledgerError as error:
+                _refusal(span, error.to_info())
+                return _failed(error.to_info(), request.operation_id)
+            span.set_attribute(TraceAttr.LEASE_DECISION, reply.decision.value)
+            if reply.attempt is not None:
+                span.set_attribute(TraceAttr.ATTEMPT, reply.attempt)
+            if reply.fencing_token is not None:
+                span.set_attribute(TraceAttr.FENCING_TOKEN, reply.fencing_token)
         return _reply(reply)
 
     # ------------------------------------------------------------------ results
@@ -309,8 +496,8 @@ class LedgerService:
             try:
                 # What arrived while the last batch was recorded is the next batch.
                 messages = await results.take(self.options.result_batch, timeout=5)
-            except Exception:
-                _log.exception("pulling results failed")
+            except Exception as exc:
+                log_failure(_log, "pulling results failed", exc)
                 await asyncio.sleep(1)
                 continue
             if messages:
@@ -335,7 +522,10 @@ class LedgerService:
                 await message.term()
                 continue
             accepted.append((message, envelope))
+        spans = [_record_span(message, envelope) for message, envelope in accepted]
         outcomes = await self._gateway.record_many([envelope for _, envelope in accepted])
+        for span, outcome in zip(spans, outcomes, strict=True):
+            _end_record_span(span, outcome)
         for (message, envelope), outcome in zip(accepted, outcomes, strict=True):
             if isinstance(outcome, OpledgerError) and outcome.retryable:
                 await message.nak(delay=1)  # the ledger was unavailable: try again
@@ -362,8 +552,8 @@ class LedgerService:
                 self._gateway.written.set()
                 if self._redispatcher is not None:
                     await self._redispatcher.sweep()
-            except Exception:
-                _log.exception("sweep failed")
+            except Exception as exc:
+                log_failure(_log, "sweep failed", exc)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -376,11 +566,13 @@ class LedgerService:
         js = nc.jetstream()
         if self.options.declare is not None:
             await self.options.declare(js)
-        metrics = LedgerMetrics()
+        metrics = LedgerMetrics(instance=self.options.instance)
         if self.options.metrics_port is not None:
             metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.metrics = metrics
-        self.relay = build_relay(self.gateway, nc, metrics=metrics)
+        self.relay = build_relay(
+            self.gateway, nc, metrics=metrics, instance=self.options.instance
+        )
         self.relay.start()
         if self.options.redispatch_after is not None:
             self._redispatcher = Redispatcher(

@@ -45,6 +45,8 @@ from schemas import (
     ResultEnvelope,
     StatusRequest,
     Subjects,
+    ToolsReply,
+    ToolsRequest,
     WorkItem,
 )
 
@@ -89,6 +91,12 @@ CHANNELS: tuple[Channel, ...] = (
     Channel("cancel", _address(Subjects.cancel, "host"), CancelRequest, received=True,
             description="A host cancels one of its own operations (request/reply); the"
             " answer is its status after the cancel (`status_reply`) or `request_refused`."),
+    Channel("tools", _address(Subjects.tools, "host"), ToolsRequest, received=True,
+            description="A host asks for the tools a caller with the given capabilities may"
+            " call, as OpenAI, Anthropic or MCP definitions (request/reply)."),
+    Channel("tools_reply", _REPLY, ToolsReply, received=False,
+            description="The tool definitions: the contracts' own schemas, forbidden tools"
+            " never listed."),
     Channel("operate", _address(Subjects.operate, "operator"), OperatorRequest, received=True,
             description="An operator resolves an unknown outcome or cancels, by the ledger's"
             " operation ID (request/reply); answered with its status or `request_refused`."),

@@ -137,7 +137,8 @@ class LedgerGateway:
         return self.ledger.status(operation_id, host=host)
 
     async def operate(self, request: OperatorRequest, operator: str) -> OperationStatus:
-        """An operator resolves or cancels (recorded as `operator:<name>`); the status after."""
+        """An operator resolves, cancels or retries (recorded as `operator:<name>`); the
+        status after."""
         by = f"operator:{operator}"
         if request.command == "resolve":
             if request.applied is None:
@@ -145,8 +146,16 @@ class LedgerGateway:
             self.ledger.resolve(
                 request.operation_id, by=by, applied=request.applied, reason=request.reason
             )
+        elif request.command == "retry":
+            retried = self.ledger.retry(
+                request.operation_id, by=by, reason=request.reason, via="nats"
+            )
+            self.written.set()
+            # The answer is the new operation's status: the retry runs as it.
+            return self.ledger.status(retried.operation_id)
         else:
             self.ledger.cancel(request.operation_id, by=by, reason=request.reason)
+        self.written.set()  # the relay publishes what changed now, not at its next poll
         return self.ledger.status(request.operation_id)
 
     async def decide(

@@ -28,7 +28,7 @@ from ledger.config import ConfigError, Settings, seconds_argument
 from ledger.entrypoints.parsing import CommandParser, global_options
 from ledger.nats.topology import declare_topology
 from ledger.server.app import LedgerService, ServiceOptions
-from schemas import OpledgerError, check_token, inbox_prefix
+from schemas import OpledgerError, check_token, inbox_prefix, setup_tracing
 
 __all__ = ["add_serve_arguments", "build_parser", "run_service", "run_service_main"]
 
@@ -203,9 +203,13 @@ def run_service(args: argparse.Namespace, settings: Settings) -> int:
     a failure to start prints one line and returns 2.
     """
     _fill_from_settings(args, settings)
+    # Each instance names itself on every line: several share one log collector.
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s ledger[{args.name}] %(name)s: %(message)s",
     )
+    # Spans only if the environment asks (OTEL_EXPORTER_OTLP_ENDPOINT, ...).
+    setup_tracing("opledger-ledger", instance=args.name)
     try:
         resolver, rules = _plugins(args.plugins)
         # The service's NKey is its seal key too: only the service seals, and
@@ -254,6 +258,7 @@ def run_service(args: argparse.Namespace, settings: Settings) -> int:
             metrics_addr=args.metrics_addr,
             allowed_tenants=args.host_tenants,
             approver_roles=args.approver_roles,
+            instance=args.name,
             redispatch_after=(
                 timedelta(seconds=args.redispatch_after) if args.redispatch_after > 0 else None
             ),

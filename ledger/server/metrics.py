@@ -11,7 +11,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
 
 from ledger._recent import Recent
 
@@ -23,9 +30,23 @@ _OPEN_LIMIT = 100_000  # pending start times kept for durations; oldest dropped 
 class LedgerMetrics:
     """Counters and histograms, fed one feed record at a time."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, instance: str = "ledger"
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # Which service instance this is (its --name): the scrape target's address
+        # changes with a restart or a move, the name does not.
+        self.instance = Info(
+            "opledger_ledger_instance", "This ledger service instance", registry=r
+        )
+        self.instance.info({"instance_name": instance})
+        self.relay_lag = Gauge(
+            "opledger_relay_lag_events",
+            "Events stored but not yet published by the relay, as the instance holding"
+            " the relay last saw it (0 on the instances that do not hold it)",
+            registry=r,
+        )
         self.proposals = Counter(
             "tool_proposals_total", "Proposals checked", ["tool", "risk"], registry=r
         )
@@ -127,7 +148,8 @@ class LedgerMetrics:
             self.unknown.labels(tool).inc()
             self._since("lease", operation_id, at)
         elif kind == "RetryScheduled":
-            self.retries.labels("retryable_failure").inc()
+            # A person's retry names who; the retry policy's does not.
+            self.retries.labels("operator" if event.get("by") else "retryable_failure").inc()
         elif kind == "ReconciliationStarted":
             self._start("reconcile", operation_id, at)
         elif kind == "ReconciliationInconclusive":

@@ -26,15 +26,16 @@ from datetime import UTC, datetime, timedelta
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from ledger.server.relay.messages import dispatch_headers
 from schemas import WORK_STREAM, Subjects, WorkItem, WorkPurpose, work_consumer, work_message_id
 
 __all__ = ["Redispatcher", "WaitingSince"]
 
 _log = logging.getLogger(__name__)
 
-WaitingSince = Callable[[datetime], Sequence[tuple[str, str, str | None, int, str]]]
+WaitingSince = Callable[[datetime], Sequence[tuple[str, str, str | None, int, str, str | None]]]
 """moment → the operations waiting for a work item and unchanged since before it: (ID,
-tool, tool version, attempts, state). The operations view answers it
+tool, tool version, attempts, state, traceparent). The operations view answers it
 (`OperationsProjector.waiting_since_before`)."""
 
 
@@ -59,10 +60,10 @@ class Redispatcher:
     async def sweep(self) -> list[str]:
         """Redispatch what is stranded now; the operation IDs it published again."""
         now = self._clock()
-        stranded: dict[str, list[tuple[str, str | None, int, str]]] = {}
+        stranded: dict[str, list[tuple[str, str | None, int, str, str | None]]] = {}
         waiting = self._waiting_since_before(now - self._after)
-        for operation_id, tool, version, attempts, state in waiting:
-            stranded.setdefault(tool, []).append((operation_id, version, attempts, state))
+        for operation_id, tool, version, attempts, state, traced in waiting:
+            stranded.setdefault(tool, []).append((operation_id, version, attempts, state, traced))
         # One ID per period: instances sweeping at once send one copy, not one each.
         period = int(now.timestamp() // self._after.total_seconds())
         published: list[str] = []
@@ -73,13 +74,15 @@ class Redispatcher:
                 continue  # a tool this deployment serves no executors for
             if info.num_pending or info.num_ack_pending:
                 continue  # items are queued or in flight: executors are slow or down
-            for operation_id, version, attempts, state in operations:
+            for operation_id, version, attempts, state, traced in operations:
                 if version is None:
                     continue
                 if state == "ready":
                     attempt = attempts + 1  # the attempt its next lease will be
                     item = WorkItem(
-                        operation_id=operation_id, tool=tool, tool_version=version,
+                        operation_id=operation_id,
+                        tool=tool,
+                        tool_version=version,
                         attempt=attempt,
                     )
                 else:
@@ -87,15 +90,18 @@ class Redispatcher:
                     # answers busy until it is due.
                     attempt = max(attempts, 1)
                     item = WorkItem(
-                        operation_id=operation_id, tool=tool, tool_version=version,
-                        attempt=attempt, purpose=WorkPurpose.RECONCILE,
+                        operation_id=operation_id,
+                        tool=tool,
+                        tool_version=version,
+                        attempt=attempt,
+                        purpose=WorkPurpose.RECONCILE,
                     )
                 # Not the relay's ID: that one may still be in the duplicate window.
                 again = f"{work_message_id(operation_id, attempt)}:again-{state}-{period}"
                 await self._js.publish(
                     Subjects.work(tool),
                     item.model_dump_json().encode(),
-                    headers={"Nats-Msg-Id": again},
+                    headers={**(dispatch_headers(item, traced) or {}), "Nats-Msg-Id": again},
                 )
                 published.append(operation_id)
         if published:

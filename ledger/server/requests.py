@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from opentelemetry import context as otel_context
 
 from ledger.nats.security import reply_allowed
-from schemas import ErrorCategory, ErrorEnvelope, ErrorInfo
+from schemas import ErrorCategory, ErrorEnvelope, ErrorInfo, context_from_headers
 
 __all__ = ["ErrorReply", "Handler", "RequestServer", "error_envelope"]
 
@@ -198,6 +199,9 @@ class RequestServer:
         task.add_done_callback(self._running.discard)
 
     async def _answer(self, requester: str, message: Msg, route: _Route) -> None:
+        # The requester's trace context (a `traceparent` header), if it sent one, is
+        # current while the handler runs: its spans continue the requester's trace.
+        traced = otel_context.attach(context_from_headers(message.headers))
         try:
             token = message.subject.rsplit(".", 1)[-1]
             payload = await route.handler(message.data, token)
@@ -212,6 +216,7 @@ class RequestServer:
             # it here, since the requester only sees its own timeout.
             _log.exception("request on %s failed", message.subject)
         finally:
+            otel_context.detach(traced)
             self._started -= 1
             self._bytes -= len(message.data)
             left = self._active[requester] - 1

@@ -46,6 +46,7 @@ class Audit:
         trusted_keys: Sequence[str] | None = None,
         seal_grace: timedelta | None = None,
         anchor: SignedHead | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> VerificationReport:
         """Check every event's hash chain, the seal and its signatures, the view and
         the kept results.
@@ -71,12 +72,14 @@ class Audit:
             now=self._clock(),
             grace=self.seal_grace if seal_grace is None else seal_grace,
             anchor=anchor,
+            progress=progress,
         )
 
     def stored_rows(self, page: int = 10_000) -> Iterator[StoredRow]:
         """Every row of the events table in position order, straight from SQL."""
         return self._tables.rows(page)
 
-    def export(self, out: IO[bytes]) -> int:
-        """Write the ledger as JSON Lines, sensitive argument values hashed."""
-        return export_jsonl(self._tables.rows(), self._catalog, out)
+    def export(self, out: IO[bytes], progress: Callable[[int], None] | None = None) -> int:
+        """Write the ledger as JSON Lines, sensitive argument values hashed (`progress`
+        is told the count now and then)."""
+        return export_jsonl(self._tables.rows(), self._catalog, out, progress)

@@ -109,6 +109,7 @@ class Ledger:
         self.refresh = self.read_models.refresh
         self.seal_now = self.read_models.seal_now
         self.submit_many = self.submissions.submit_many
+        self.retry = self.submissions.retry
         self.approve = self.approvals.approve
         self.deny = self.approvals.deny
         self.lease_many = self.leasing.lease_many

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,8 +54,13 @@ class Submission:
     """False when the same call was submitted before under this ID."""
 
 
-SubmitItem = tuple[ToolProposal, RuntimeContext] | tuple[ToolProposal, RuntimeContext, str]
-"""A proposal, its trusted context, and optionally the agent host that sent it."""
+SubmitItem = (
+    tuple[ToolProposal, RuntimeContext]
+    | tuple[ToolProposal, RuntimeContext, str]
+    | tuple[ToolProposal, RuntimeContext, str, str | None]
+)
+"""A proposal, its trusted context, and optionally the agent host that sent it and the
+W3C traceparent the operation's spans continue (`Operation.Proposed.trace_parent`)."""
 
 
 def fingerprint(proposal: ToolProposal, context: RuntimeContext, host: str = "") -> str:
@@ -172,9 +178,9 @@ class Submissions:
 
     def _submit_many(self, items: Sequence[SubmitItem]) -> list[Submission | LedgerError]:
         answers: list[Submission | LedgerError | None] = [None] * len(items)
-        keyed: list[tuple[int, str, ToolProposal, RuntimeContext, str]] = []
+        keyed: list[tuple[int, str, ToolProposal, RuntimeContext, str, str | None]] = []
         for index, item in enumerate(items):
-            proposal, context, host = _unpack(item)
+            proposal, context, host, trace_parent = _unpack(item)
             try:
                 operation_id = ledger_operation_id(host, proposal.operation_id or self._new_id())
             except ValueError:
@@ -182,7 +188,7 @@ class Submissions:
                     "the host name or operation ID is not a valid identifier"
                 )
                 continue
-            keyed.append((index, operation_id, proposal, context, host))
+            keyed.append((index, operation_id, proposal, context, host, trace_parent))
         # One query for the batch instead of one lookup per proposal; an ID
         # stored by another writer after it is caught by the append below.
         stored = self._runner.tables.stored_ids(operation_id for _, operation_id, *_ in keyed)
@@ -190,7 +196,7 @@ class Submissions:
         fresh: dict[str, tuple[int, str]] = {}
         # Rejected operations a proposal of this batch repairs: saved in the same append.
         repaired: dict[str, Operation] = {}
-        for index, operation_id, proposal, context, host in keyed:
+        for index, operation_id, proposal, context, host, trace_parent in keyed:
             try:
                 print_ = fingerprint(proposal, context, host)
                 if operation_id in fresh:
@@ -206,7 +212,7 @@ class Submissions:
                         answers[index] = existing
                         continue
                 operation, decision = self._new_operation(
-                    operation_id, proposal, context, print_, host, repaired
+                    operation_id, proposal, context, print_, host, repaired, trace_parent
                 )
             except LedgerError as error:
                 answers[index] = error
@@ -249,8 +255,61 @@ class Submissions:
                 answers[index] = Submission(operation.id, operation.state, decision, True)
         return [answer for answer in answers if answer is not None]
 
+    def retry(self, operation_id: str, *, by: str, reason: str, via: str) -> Submission:
+        """A person runs a failed call again: the same call, for the same caller, as a
+        new operation (`<host's ID>-r<n>`) linked both ways to the failed one.
+
+        The new operation is checked, approved and budgeted afresh, as any proposal
+        is (the policy, the catalog and the caller's standing may have changed since),
+        and its outcome is announced to the host under its own ID. The failed one
+        keeps its final outcome; `Operation.note_retry` says what refuses a retry.
+        Both are stored in one append, or neither.
+        """
+        original = self._runner.get(operation_id)
+        if original.capabilities is None:
+            raise InvalidProposal(
+                "this operation was stored before its caller's capabilities were recorded:"
+                " propose the call anew"
+            )
+        host = original.host
+        retry_id = ledger_operation_id(host, _retry_local_id(host_operation_id(original.id)))
+        stored = dict(original.proposal)
+        stored.update(operation_id=host_operation_id(retry_id), repairs=None, repair_attempt=0)
+        proposal = ToolProposal.model_validate(stored)
+        context = RuntimeContext(
+            principal=original.actor,
+            tenant=original.tenant,
+            capabilities=frozenset(original.capabilities),
+            environment=original.environment,
+        )
+        original.note_retry(retry_id=retry_id, by=by, reason=reason, via=via, now=self._clock())
+        if self._runner.tables.stored_ids([retry_id]):
+            raise OperationConflict(
+                f"the ID {retry_id} the retry would take is taken", operation_id=original.id
+            )
+        try:
+            operation, decision = self._new_operation(
+                retry_id,
+                proposal,
+                context,
+                fingerprint(proposal, context, host),
+                host,
+                trace_parent=original.trace_parent,
+                retries=(original.id, by),
+            )
+            self._runner.save(operation, original)
+        except IntegrityError:
+            raise OperationConflict(
+                "the operation changed, or its retry's ID was taken, meanwhile: look again",
+                operation_id=original.id,
+            ) from None
+        finally:
+            if self._budget is not None:
+                self._budget.clear_pending()
+        return Submission(operation.id, operation.state, decision, True)
+
     def _submit_after_race(self, item: SubmitItem) -> Submission | LedgerError:
-        proposal, context, host = _unpack(item)
+        proposal, context, host, _ = _unpack(item)
         if proposal.operation_id is not None:
             operation_id = ledger_operation_id(host, proposal.operation_id)
             try:
@@ -322,10 +381,20 @@ class Submissions:
         print_: str,
         host: str,
         repaired: dict[str, Operation] | None = None,
+        trace_parent: str | None = None,
+        retries: tuple[str, str] | None = None,
     ) -> tuple[Operation, Decision]:
         pending_repair: list[Operation] = []
         operation, decision = self._build_operation(
-            operation_id, proposal, context, print_, host, repaired, pending_repair
+            operation_id,
+            proposal,
+            context,
+            print_,
+            host,
+            repaired,
+            pending_repair,
+            trace_parent,
+            retries,
         )
         for target in pending_repair:
             assert repaired is not None
@@ -342,6 +411,8 @@ class Submissions:
         host: str,
         repaired: dict[str, Operation] | None,
         pending_repair: list[Operation],
+        trace_parent: str | None = None,
+        retries: tuple[str, str] | None = None,
     ) -> tuple[Operation, Decision]:
         now = self._clock()
         target, depth, refusal = self._repair_link(proposal, host, operation_id, repaired)
@@ -398,6 +469,9 @@ class Submissions:
             capabilities=context.capabilities,
             repairs=target.id if target is not None else None,
             repair_depth=depth if target is not None else 0,
+            trace_parent=trace_parent,
+            retries=retries[0] if retries else None,
+            proposed_by=retries[1] if retries else None,
         )
         if target is not None and repaired is not None:
             # Noted once the repairing operation is built (below): a proposal that
@@ -479,7 +553,23 @@ def _conflict(operation_id: str) -> OperationConflict:
     )
 
 
-def _unpack(item: SubmitItem) -> tuple[ToolProposal, RuntimeContext, str]:
-    if len(item) == 3:
+_RETRY_SUFFIX = re.compile(r"-r([0-9]{1,6})$")
+
+
+def _retry_local_id(local: str) -> str:
+    """The host-local ID of the next retry of `local`: `mail-1` → `mail-1-r1`, and a
+    retry's retry `mail-1-r1` → `mail-1-r2` (within the 128 characters an ID has)."""
+    found = _RETRY_SUFFIX.search(local)
+    base, number = (local[: found.start()], int(found.group(1))) if found else (local, 0)
+    suffix = f"-r{number + 1}"
+    if len(base) + len(suffix) > 128:
+        base = base[: 128 - len(suffix) - 9] + "-" + sha256_hex(base.encode())[:8]
+    return base + suffix
+
+
+def _unpack(item: SubmitItem) -> tuple[ToolProposal, RuntimeContext, str, str | None]:
+    if len(item) == 4:
         return item
-    return item[0], item[1], ""
+    if len(item) == 3:
+        return item[0], item[1], item[2], None
+    return item[0], item[1], "", None

@@ -78,6 +78,11 @@ def _cli(stack: BackendStack, *argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _as_operator(stack: BackendStack) -> list[str]:
+    seed = stack.credentials.operator("ops-lead").seed_path
+    return ["--operator", "ops-lead", "--seed", str(seed), "--nats-url", stack.server.url]
+
+
 async def _send(stack: BackendStack, host: AgentHostClient, operation_id: str) -> None:
     """Propose one e-mail and approve it, as the support lead would."""
     proposal = ToolProposal(
@@ -155,8 +160,9 @@ async def test_a_send_that_lookups_cannot_settle_needs_a_person_who_settles_it(
         listed = _cli(stack, "--json", "ops", "list", "--state", "needs_resolution")
         assert listed.returncode == 0, listed.stderr
         assert [row["operation_id"] for row in orjson.loads(listed.stdout)] == ["h1/op-stuck"]
-        done = _cli(stack, "ops", "resolve", "h1/op-stuck", "--not-applied", "--as", "ops-lead",
-                    "--reason", "the provider's support says it never left")
+        # As the operator's own identity, over NATS: recorded as operator:ops-lead.
+        done = _cli(stack, "ops", "resolve", "h1/op-stuck", "--not-applied",
+                    *_as_operator(stack), "--reason", "the provider's support says it never left")
         assert done.returncode == 0, done.stderr
         status = await host.outcome("op-stuck", timeout=30)
     finally:

@@ -34,6 +34,11 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BackendSta
         yield running  # no executor: the one that leased the work vanishes
 
 
+def _as_operator(stack: BackendStack) -> list[str]:
+    seed = stack.credentials.operator("ops-lead").seed_path
+    return ["--operator", "ops-lead", "--seed", str(seed), "--nats-url", stack.server.url]
+
+
 def _database(stack: BackendStack) -> list[str]:
     storage = stack.storage
     if storage.sqlite_path is not None:
@@ -63,7 +68,7 @@ async def test_the_host_gets_the_outcome_a_person_settled(stack: BackendStack) -
         assert (await host.status("op-gone")).final is False
         done = subprocess.run(
             [sys.executable, "-m", "ledger.entrypoints", *_database(stack), "ops", "resolve",
-             "h1/op-gone", "--not-applied", "--as", "ops-lead",
+             "h1/op-gone", "--not-applied", *_as_operator(stack),
              "--reason", "the provider has no record of it"],
             capture_output=True, text=True, timeout=60, check=False,
         )
@@ -75,7 +80,7 @@ async def test_the_host_gets_the_outcome_a_person_settled(stack: BackendStack) -
     assert (status.state, status.final) == ("failed", True), stack.log("service.log")
     assert status.outcome is not None and status.outcome["code"] == "NOT_APPLIED"
     settled = stack.ledger().history("h1/op-gone")[-1]
-    assert (type(settled).__name__, settled.by) == ("Reconciled", "ops-lead")
+    assert (type(settled).__name__, settled.by) == ("Reconciled", "operator:ops-lead")
 
 
 async def test_the_host_gets_the_outcome_of_a_cancel_before_the_lease(
@@ -91,7 +96,7 @@ async def test_the_host_gets_the_outcome_of_a_cancel_before_the_lease(
         assert (await host.propose(proposal, ALICE)).state == "ready"
         done = subprocess.run(
             [sys.executable, "-m", "ledger.entrypoints", *_database(stack), "ops", "cancel",
-             "h1/op-cancel", "--as", "ops-lead", "--reason", "no longer needed"],
+             "h1/op-cancel", *_as_operator(stack), "--reason", "no longer needed"],
             capture_output=True, text=True, timeout=60, check=False,
         )
         assert done.returncode == 0, done.stderr
@@ -99,7 +104,7 @@ async def test_the_host_gets_the_outcome_of_a_cancel_before_the_lease(
     finally:
         await host.close()
     assert (status.state, status.final) == ("cancelled", True), stack.log("service.log")
-    assert status.outcome == {"status": "cancelled", "by": "ops-lead"}
+    assert status.outcome == {"status": "cancelled", "by": "operator:ops-lead"}
 
 
 async def test_an_operator_settles_it_over_nats_with_its_own_identity(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import sqlite3
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -800,3 +803,49 @@ def test_status_counts_an_operation_the_view_has_not_caught_up_with_once(
     assert _json(capsys, "status")["operations"] == {
         "awaiting_approval": 1, "executing": 1
     }
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal (where a progress line is drawn)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("audit", "verify"), ("audit", "export"), ("ops", "rebuild")],
+)
+def test_long_commands_draw_progress_on_a_terminal_only(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: tuple[str, ...],
+) -> None:
+    code, out, err = _run(capsys, *argv)
+    assert code == 0 and "\r" not in err and "\r" not in out  # a pipe: no progress line
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    drawn = terminal.getvalue()
+    assert drawn.startswith("\r") and len(drawn.strip()) > 0, drawn
+    # Cleared before anything else is printed: what the command prints starts clean.
+    assert re.search(r"\r +\r", drawn) and "\r" not in drawn.split("\r")[-1]
+    assert "\r" not in out  # stdout (an export's payload) never carries it
+
+
+def test_a_progress_line_counts_to_its_total() -> None:
+    from ledger.entrypoints.progress import Progress
+
+    stream = io.StringIO()
+    line = Progress("verifying", "chunks", stream=stream, force=True)
+    line.update(2, 4)
+    line.update(4, 4)
+    assert "[##########          ]  50%  2 of 4 chunks" in stream.getvalue()
+    assert "100%  4 of 4 chunks" in stream.getvalue()
+    line.finish()
+    assert stream.getvalue().endswith("\r")
+    quiet = io.StringIO()
+    Progress("verifying", "chunks", stream=quiet).update(1, 2)  # not a terminal
+    assert quiet.getvalue() == ""

@@ -250,7 +250,7 @@ def test_the_view_names_operations_left_ready(ledger: Ledger) -> None:
     now = datetime.now(UTC)
     version = ledger.get("s-ready").tool_version
     assert ledger.projector.waiting_since_before(now + timedelta(seconds=1)) == [
-        ("s-ready", "search_documents", version, 0, "ready")
+        ("s-ready", "search_documents", version, 0, "ready", None)
     ]
     assert ledger.projector.waiting_since_before(now - timedelta(hours=1)) == []
 

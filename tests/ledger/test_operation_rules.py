@@ -403,3 +403,70 @@ def test_an_inconclusive_reconciliation_is_recorded_and_leaves_the_outcome_unkno
     op.reconcile(outcome="failed", by="operator", code="NOT_APPLIED", category="TRANSIENT",
                  retryable=True, now=T0 + timedelta(seconds=61))
     assert cast(S, op.state) is S.FAILED
+
+
+def _failed(op: Operation, retryable: bool = False) -> Operation:
+    op.record_result(
+        fencing_token=op.fencing_token,
+        executor="e",
+        outcome="failed",
+        code="PROVIDER_DOWN" if retryable else "BAD",
+        category="TRANSIENT" if retryable else "INVALID_INPUT",
+        retryable=retryable,
+        now=T0,
+    )
+    return op
+
+
+def _retry(op: Operation, reason: str = "the template was fixed") -> None:
+    op.note_retry(retry_id=f"{op.id}-r1", by="operator:ops-lead", reason=reason, via="nats",
+                  now=T0)
+
+
+def test_a_retry_is_noted_on_the_failed_call_which_keeps_its_outcome() -> None:
+    op = _failed(_executing())  # a failure the policy never retries
+    assert not op.can_retry
+    op.collect_events()
+    _retry(op)
+    (event,) = op.collect_events()
+    assert type(event).__name__ == "RetryProposed"
+    assert (event.retry_id, event.by, event.via) == (  # type: ignore[attr-defined]
+        f"{op.id}-r1", "operator:ops-lead", "nats"
+    )
+    # Announced as final, and final it stays: the retry runs as the new operation.
+    assert op.state is S.FAILED and op.retried_as == f"{op.id}-r1"
+    with pytest.raises(IllegalTransition, match="already run again"):
+        _retry(op)
+
+
+def test_a_cancelled_call_is_never_retried() -> None:
+    op = _failed(_executing(), retryable=True)
+    op.request_cancel(by="alice", reason="", now=T0)  # after the failure: too late, noted
+    with pytest.raises(IllegalTransition, match="cancelled"):
+        _retry(op)
+    assert op.retried_as is None
+
+
+def test_a_retry_needs_a_reason_and_a_failure() -> None:
+    op = _failed(_executing())
+    with pytest.raises(InvalidArgument):
+        _retry(op, reason="  ")
+    with pytest.raises(InvalidArgument):
+        _retry(op, reason="x" * 501)
+    with pytest.raises(IllegalTransition):
+        _retry(_ready())  # nothing failed
+
+
+def test_a_success_reported_after_all_refuses_the_retry() -> None:
+    # The lease ran out, a person said it never happened, then the hung call's
+    # success arrived: evidence the effect exists. Running it again would repeat it.
+    op = _executing()
+    op.expire_lease(now=T0 + timedelta(minutes=5))
+    op.reconcile(outcome="failed", by="operator:o", reason="no record", code="NOT_APPLIED",
+                 category="TRANSIENT", retryable=False, now=T0 + timedelta(minutes=6))
+    assert op.state is S.FAILED
+    op.record_result(fencing_token=op.fencing_token, executor="e", outcome="succeeded",
+                     output_hash="x", now=T0 + timedelta(minutes=7))
+    assert op.state is S.FAILED and op.success_reported_late
+    with pytest.raises(IllegalTransition, match="succeeded after all"):
+        _retry(op)

@@ -21,7 +21,7 @@ from schemas import (
 )
 
 _TOPIC = "ledger.domain.operation:Operation."
-_ROUTE: Route = ("search_documents", "2.1.0", "h1")
+_ROUTE: Route = ("search_documents", "2.1.0", "h1", None)
 _LIMIT = 1024 * 1024
 
 
@@ -152,7 +152,7 @@ def test_routes_are_learnt_from_the_events_that_name_them() -> None:
         (2, "h1/op-2", 1, _TOPIC + "Proposed", b"junk"),
         _row(3, 2, "Validated", tool_version="2.1.0"),
     ], routes)
-    assert routes.get("h1/op-1") == ("search_documents", "2.1.0", "h1")
+    assert routes.get("h1/op-1") == ("search_documents", "2.1.0", "h1", None)
     assert routes.get("h1/op-2") is None
 
 
@@ -171,3 +171,22 @@ def test_the_registry_names_the_dispatching_and_settling_events() -> None:
         "Succeeded", "Failed", "Rejected", "ApprovalDenied", "ApprovalExpired", "Cancelled",
         "Reconciled", "ExecutionRefused", "ClarificationNeeded",
     }
+
+
+def test_a_traced_operations_work_item_carries_its_trace_and_an_untraced_one_none() -> None:
+    traced = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    row = _row(9, 3, "Readied")
+    fake = FakeLedger()
+    (_, item) = messages_for(
+        row,
+        ("search_documents", "2.1.0", "h1", traced),
+        limit=_LIMIT,
+        sensitive=fake.sensitive,
+        final_status=fake.final_status,
+    )
+    assert item.subject == Subjects.work("search_documents")
+    assert item.headers is not None
+    # The same trace; the parent is the dispatch span (or the stored one, untraced here).
+    assert item.headers["traceparent"].split("-")[1] == traced.split("-")[1]
+    (_, plain) = _build(row, fake)
+    assert plain.headers is None

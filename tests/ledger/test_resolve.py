@@ -15,6 +15,9 @@ import pytest
 from ledger import Ledger, StorageConfig
 from tests.ledger.helpers import ALICE, cli, cli_json, make_ledger, search, use_storage
 
+GLASS = ("--break-glass", "--as", "ops-lead")
+"""Written to the database directly, recorded as `break-glass:ops-lead`."""
+
 REASON = "the provider's dashboard shows the call"
 
 
@@ -43,15 +46,15 @@ def _reconciled(ledger: Ledger, operation_id: str) -> Any:
 def test_a_person_settles_an_unknown_outcome_with_who_and_why(
     unknown: Ledger, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    applied = cli_json(capsys, "ops", "resolve", "op-a", "--applied", "--as", "ops-lead",
+    applied = cli_json(capsys, "ops", "resolve", "op-a", "--applied", *GLASS,
                        "--reason", REASON)
     assert applied["state"] == "succeeded"
     assert applied["outcome"] == {"status": "succeeded", "output_hash": "", "result_ref": "",
                                   "attempt": 1, "reconciled": True}
     event = _reconciled(unknown, "op-a")
-    assert (event.outcome, event.by, event.reason) == ("succeeded", "ops-lead", REASON)
+    assert (event.outcome, event.by, event.reason) == ("succeeded", "break-glass:ops-lead", REASON)
 
-    not_applied = cli_json(capsys, "ops", "resolve", "op-b", "--not-applied", "--as", "ops-lead",
+    not_applied = cli_json(capsys, "ops", "resolve", "op-b", "--not-applied", *GLASS,
                            "--reason", "no record of it at the provider")
     assert not_applied["state"] == "failed"
     assert not_applied["outcome"]["code"] == "NOT_APPLIED"
@@ -66,19 +69,19 @@ def test_only_an_unknown_outcome_can_be_resolved_and_only_with_a_reason(
     unknown: Ledger, capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = len(unknown.history("op-ready"))
-    code, out, err = cli(capsys, "ops", "resolve", "op-ready", "--applied", "--as", "ops-lead",
+    code, out, err = cli(capsys, "ops", "resolve", "op-ready", "--applied", *GLASS,
                          "--reason", REASON)
     assert (code, out) == (2, "")
     assert "ILLEGAL_TRANSITION" in err and "Traceback" not in err
     assert len(unknown.history("op-ready")) == before  # nothing appended
-    cli_json(capsys, "ops", "resolve", "op-a", "--applied", "--as", "ops-lead", "--reason", REASON)
-    code, _, err = cli(capsys, "ops", "resolve", "op-a", "--not-applied", "--as", "someone-else",
-                       "--reason", "changed my mind")
+    cli_json(capsys, "ops", "resolve", "op-a", "--applied", *GLASS, "--reason", REASON)
+    code, _, err = cli(capsys, "ops", "resolve", "op-a", "--not-applied", "--break-glass",
+                       "--as", "someone-else", "--reason", "changed my mind")
     assert code == 2 and "ILLEGAL_TRANSITION" in err  # settled is settled
-    code, _, err = cli(capsys, "ops", "resolve", "op-b", "--applied", "--as", "ops-lead",
+    code, _, err = cli(capsys, "ops", "resolve", "op-b", "--applied", *GLASS,
                        "--reason", "  ")
     assert code == 2 and "reason" in err
-    code, _, err = cli(capsys, "ops", "resolve", "op-b", "--as", "ops-lead", "--reason", REASON)
+    code, _, err = cli(capsys, "ops", "resolve", "op-b", *GLASS, "--reason", REASON)
     assert code == 64  # neither --applied nor --not-applied: a usage error
     assert unknown.get("op-b").state.value == "outcome_unknown"
 
@@ -86,7 +89,7 @@ def test_only_an_unknown_outcome_can_be_resolved_and_only_with_a_reason(
 def test_resolve_prints_the_operation_for_people(
     unknown: Ledger, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = cli(capsys, "ops", "resolve", "op-a", "--applied", "--as", "ops-lead",
+    code, out, err = cli(capsys, "ops", "resolve", "op-a", "--applied", *GLASS,
                          "--reason", REASON)
     assert code == 0, err
-    assert "succeeded" in out and f"reconciled by ops-lead: succeeded ({REASON})" in out
+    assert "succeeded" in out and f"reconciled by break-glass:ops-lead: succeeded ({REASON})" in out

@@ -211,6 +211,9 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
     "start_reconciliation": lambda op: op.start_reconciliation(by="ops", now=LATER),
     "reconcile": lambda op: op.reconcile(outcome="succeeded", by="ops", now=LATER),
     "schedule_retry": lambda op: op.schedule_retry(not_before=T0, now=T0),
+    "note_retry": lambda op: op.note_retry(
+        retry_id="h1/op-1-r1", by="operator:ops", reason="provider fixed", via="nats", now=T0
+    ),
     "request_cancel": lambda op: op.request_cancel(by="alice", reason="", now=T0),
     "confirm_cancelled": lambda op: op.confirm_cancelled(by="e", now=T0),
     "note_publication_set_aside": lambda op: op.note_publication_set_aside(
@@ -248,6 +251,7 @@ EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.SUCCEEDED, "request_cancel"): S.SUCCEEDED,  # CancelTooLate
     (S.FAILED, "record_result"): S.FAILED,  # a different outcome: recorded, not applied
     (S.FAILED, "schedule_retry"): S.READY,
+    (S.FAILED, "note_retry"): S.FAILED,  # the retry is a new operation; this one stands
     (S.FAILED, "request_cancel"): S.FAILED,  # CancelTooLate
     (S.OUTCOME_UNKNOWN, "record_result"): S.SUCCEEDED,  # the late report settles it
     (S.OUTCOME_UNKNOWN, "start_reconciliation"): S.RECONCILING,
@@ -288,7 +292,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 16 * 19
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 16 * 20
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])

@@ -7,6 +7,7 @@ nothing is published twice and nothing is skipped.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from functools import partial
 from typing import Any, cast
@@ -17,6 +18,7 @@ from ledger import Ledger, StorageConfig
 from ledger.nats import Role
 from ledger.server.app import build_relay
 from ledger.server.gateway import LedgerGateway
+from ledger.server.metrics import LedgerMetrics
 from ledger.server.relay import Relay
 from ledger.server.relay import publisher as relay_module
 from schemas import FEED_STREAM, WORK_STREAM, feed_message_id, work_message_id
@@ -171,4 +173,31 @@ async def test_a_lost_feed_event_is_noticed_and_sent_again_once(
         assert relay._confirmed == relay._position
         await relay.stop()
     assert _saved(ledger) == ledger.stored_rows_after(0, 100_000)[-1][0]
+    ledger.close()
+
+
+async def test_the_instance_that_takes_the_relay_over_says_so_and_reports_its_lag(
+    nats_env: NatsEnv, storage: StorageConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger: Ledger = make_ledger(storage)
+    suffix = "pg" if storage.is_postgres else "lite"
+    gateway = LedgerGateway(ledger)
+    metrics_a, metrics_b = LedgerMetrics(instance="ledger-a"), LedgerMetrics(instance="ledger-b")
+    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        first = build_relay(gateway, probe.nc, metrics=metrics_a, instance="ledger-a")
+        second = build_relay(gateway, probe.nc, metrics=metrics_b, instance="ledger-b")
+        with caplog.at_level(logging.INFO, logger="ledger.server.relay"):
+            for n in range(3):
+                ledger.submit(search(f"op-lag-{n}-{suffix}"), ALICE)
+            # A batch of one event at a time: the lag is what is left after it.
+            first._batch = 1
+            await first.pump()
+            assert metrics_a.registry.get_sample_value("opledger_relay_lag_events") == 8.0
+            await second.pump()  # the lease is the first's
+            assert metrics_b.registry.get_sample_value("opledger_relay_lag_events") == 0.0
+            await first.stop()
+            await second.pump()
+        taken = [r.getMessage() for r in caplog.records if "now relays" in r.getMessage()]
+        assert len(taken) == 2, taken
+        assert taken[0].startswith("relay: ledger-a@") and taken[1].startswith("relay: ledger-b@")
     ledger.close()

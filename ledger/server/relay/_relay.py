@@ -27,6 +27,7 @@ from ledger.server.relay.messages import (
 )
 from ledger.server.relay.position import RelayPositions, SetAsideRecord
 from ledger.server.relay.publisher import Proof, RelayPublisher, SetAside
+from ledger.server.transient import log_failure
 from schemas import OperationStatus
 
 __all__ = ["Relay", "RelayPorts"]
@@ -59,6 +60,8 @@ class RelayPorts:
     """The states whose outcome is announced to the host."""
     attention_states: frozenset[str] = frozenset({"needs_resolution"})
     """The states, not final, announced to the host all the same: a person must act."""
+    last_position: Callable[[], int] | None = None
+    """The newest stored event's position (for the relay-lag gauge; None: not measured)."""
 
 
 class Relay:
@@ -76,6 +79,7 @@ class Relay:
         save_every: timedelta = timedelta(milliseconds=200),
         ack_timeout: timedelta = timedelta(seconds=5),
         metrics: LedgerMetrics | None = None,
+        instance: str | None = None,
     ) -> None:
         self._gateway = gateway
         self._ports = ports
@@ -87,7 +91,10 @@ class Relay:
         self._lease = lease
         self._save_every = save_every
         self._metrics = metrics
-        self._owner = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        # Who holds the relay, as the positions row and the logs name it: the
+        # service instance's name where it has one, and always this process.
+        host = f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self._owner = f"{instance}@{host}" if instance else host
         self._task: asyncio.Task[None] | None = None
         # While this instance holds the relay lease, its position lives here;
         # the row is written at most every `save_every` (and on stop), which
@@ -131,8 +138,8 @@ class Relay:
                 # Read the batch again without what was set aside.
                 self._position = None
                 continue
-            except Exception:
-                _log.exception("relay failed; retrying")
+            except Exception as exc:
+                log_failure(_log, "relay failed; retrying", exc)
                 self._position = None  # read the position again from the row
                 await asyncio.sleep(1)
             # Woken by the gateway after each batch, and by the poll timer for
@@ -180,7 +187,10 @@ class Relay:
                 return self._position
         position = self._positions.take(self._owner, now, now + self._lease)
         if position is None:
+            if self._metrics is not None:
+                self._metrics.relay_lag.set(0)  # another instance relays, and reports
             return None
+        _log.info("relay: %s now relays, from position %d", self._owner, position)
         self._position = self._confirmed = self._saved_position = position
         self._set_aside_positions = self._positions.set_aside_after(position)
         self._publisher.forget_sequence()  # another relay may have written since
@@ -214,6 +224,8 @@ class Relay:
         ports = self._ports
         rows = list(ports.rows_after(position, self._batch))
         if not rows:
+            if self._metrics is not None:
+                self._metrics.relay_lag.set(0)
             return None, [], False
         learn_routes(rows, self._routes)
         missing = {row[1] for row in rows if row[1] not in self._routes}
@@ -225,6 +237,9 @@ class Relay:
             # takeover) are known to the view once it has caught up.
             ports.refresh()
             self._refreshed_at = now
+            if self._metrics is not None and ports.last_position is not None:
+                # What is left once this batch is out (positions may have gaps).
+                self._metrics.relay_lag.set(max(ports.last_position() - rows[-1][0], 0))
         if missing:
             for operation_id, found in ports.routes(missing).items():
                 self._routes.remember(operation_id, found)

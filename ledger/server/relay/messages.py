@@ -18,18 +18,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from opentelemetry.trace import SpanKind
 
 from ledger._recent import Recent
 from ledger.adapters.event_tables import StoredRow
 from ledger.audit.export import feed_record
 from ledger.domain.event_kinds import event_kind
 from schemas import (
+    GenAI,
     OperationStatus,
     Subjects,
+    TraceAttr,
     WorkItem,
     WorkPurpose,
+    context_from_traceparent,
     feed_message_id,
     host_operation_id,
+    trace_headers,
+    tracer,
     work_message_id,
 )
 
@@ -45,8 +51,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-Route = tuple[str, str | None, str]
-"""What the relay needs to know of an operation: (tool, tool version or None, host)."""
+Route = tuple[str, str | None, str, str | None]
+"""What the relay needs to know of an operation: (tool, tool version or None, host, the
+traceparent its spans continue or None)."""
 
 SensitiveArguments = Callable[[str], Sequence[str]]
 """tool → the JSON pointers of its arguments the feed carries hashed (none for an
@@ -73,6 +80,8 @@ class RelayMessage:
     """A feed event: its stream sequence number is known in advance."""
     row: StoredRow | None = None
     """The event a feed message carries (to set it aside if JetStream refuses it)."""
+    headers: dict[str, str] | None = None
+    """Headers besides the `Nats-Msg-Id` (a work item's trace context)."""
 
 
 def learn_routes(rows: Iterable[StoredRow], routes: Recent[str, Route]) -> None:
@@ -86,7 +95,13 @@ def learn_routes(rows: Iterable[StoredRow], routes: Recent[str, Route]) -> None:
         try:
             if kind == "Proposed":
                 state = orjson.loads(stored)
-                route = (str(state["tool"]), None, str(state.get("host", "")))
+                traced = state.get("trace_parent")
+                route = (
+                    str(state["tool"]),
+                    None,
+                    str(state.get("host", "")),
+                    traced if isinstance(traced, str) else None,
+                )
                 routes.remember(operation_id, route)
             elif kind in ("Validated", "Rejected"):
                 known = routes.get(operation_id)
@@ -94,7 +109,7 @@ def learn_routes(rows: Iterable[StoredRow], routes: Recent[str, Route]) -> None:
                     version = orjson.loads(stored).get("tool_version")
                     routes.remember(
                         operation_id,
-                        (known[0], None if version is None else str(version), known[2]),
+                        (known[0], None if version is None else str(version), *known[2:]),
                     )
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             # Not an event (a row written by hand): nothing to learn from it;
@@ -112,7 +127,7 @@ def messages_for(
     observe: Observe | None = None,
 ) -> list[RelayMessage]:
     """The messages one event means, each within `limit` bytes; raises if it has none."""
-    tool, tool_version, host = route
+    tool, tool_version, host, trace_parent = route
     operation_id, version = row[1], row[2]
     record = feed_record(row, tuple(sensitive(tool)))
     kind = record["type"]
@@ -147,6 +162,7 @@ def messages_for(
                 # One dispatch event per attempt (and per lookup of its outcome),
                 # so one work item each.
                 work_message_id(operation_id, item.attempt, item.lookup),
+                headers=dispatch_headers(item, trace_parent),
             )
         )
     if registered is not None and (registered.settles or registered.notifies) and host:
@@ -156,6 +172,39 @@ def messages_for(
         if notice is not None:
             messages.append(notice)
     return messages
+
+
+def dispatch_headers(item: WorkItem, trace_parent: str | None) -> dict[str, str] | None:
+    """The trace context a work item carries: a dispatch span in the operation's trace,
+    so the executor's spans continue it (None for an untraced operation)."""
+    if trace_parent is None:
+        return None
+    try:
+        return _dispatch_span_headers(item, trace_parent)
+    except Exception:  # a broken span processor costs the item its trace, nothing else
+        _log.debug("no trace context for %s", item.operation_id, exc_info=True)
+        return None
+
+
+def _dispatch_span_headers(item: WorkItem, trace_parent: str) -> dict[str, str] | None:
+    span = tracer().start_span(
+        "opledger.dispatch",
+        context=context_from_traceparent(trace_parent),
+        kind=SpanKind.PRODUCER,
+        attributes={
+            GenAI.TOOL_NAME: item.tool,
+            TraceAttr.OPERATION_ID: item.operation_id,
+            TraceAttr.ATTEMPT: item.attempt,
+            TraceAttr.PURPOSE: item.purpose.value,
+            TraceAttr.LOOKUP: item.lookup,
+        },
+    )
+    try:
+        # A span's context is what an executor continues; it ends here, at the
+        # hand-over (the publish itself is batched with the feed's).
+        return trace_headers(span=span)
+    finally:
+        span.end()
 
 
 def _work_item(

@@ -110,15 +110,19 @@ class RelayPublisher:
         feed_acks: list[asyncio.Future[Any]] = []
         try:
             for message in messages:
-                headers = {"Nats-Msg-Id": message.message_id} if message.message_id else None
+                headers = dict(message.headers or {})
+                if message.message_id:
+                    headers["Nats-Msg-Id"] = message.message_id
                 try:
                     if message.message_id is None or (
                         message.feed and known and message is not proof
                     ):
-                        await self._nc.publish(message.subject, message.payload, headers=headers)
+                        await self._nc.publish(
+                            message.subject, message.payload, headers=headers or None
+                        )
                         continue
                     ack = await self._js.publish_async(
-                        message.subject, message.payload, headers=headers
+                        message.subject, message.payload, headers=headers or None
                     )
                 except (BadSubjectError, MaxPayloadError) as exc:
                     # Checked for when the batch was read, so only a server with
