@@ -2,7 +2,8 @@
 
 The embedded default stack, every part its own process, as in `tests/e2e`:
 nats-server with generated least-privilege credentials, the ledger service
-(`python -m ledger.server`, SQLite), and 1..n executors of the `noop` tool
+(`python -m ledger.server`, on SQLite, or with `--storage postgres` on a fresh
+schema of the PostgreSQL the tests use), and 1..n executors of the `noop` tool
 (`python -m executors run bench.noop_tool:noop`, contract
 `bench/contracts/noop.yaml`: pure read, approval never, no limits, low risk).
 This process is the agent host (`ledger.client.AgentHostClient`).
@@ -65,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +75,7 @@ from typing import Any
 import nats
 import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
 import orjson
+import psycopg
 from nats.aio.client import Client
 from nats.js.api import (
     AckPolicy,
@@ -96,6 +99,11 @@ from schemas import (
     ToolProposal,
     ledger_operation_id,
 )
+
+POSTGRES_DSN = os.environ.get(
+    "OPLEDGER_TEST_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test"
+)
+"""Where `--storage postgres` runs: the DSN the tests use (a fresh schema per stack)."""
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -319,11 +327,14 @@ class Settings:
     profile: bool
     service_patches: tuple[str, ...] = ()
     executor_patches: tuple[str, ...] = ()
+    storage: str = "sqlite"
+    """sqlite (a file in the stack's home) or postgres (a fresh schema at
+    $OPLEDGER_TEST_POSTGRES_DSN, the DSN the tests use, dropped afterwards)."""
 
     @property
     def label(self) -> str:
         """A short name for reports."""
-        label = f"exec={self.executors} batch={self.batch} tool={self.tool}"
+        label = f"{self.storage} exec={self.executors} batch={self.batch} tool={self.tool}"
         if self.service_patches:
             label += f" service-patches={','.join(self.service_patches)}"
         if self.executor_patches:
@@ -337,6 +348,11 @@ class Stack:
     def __init__(self, home: Path, settings: Settings) -> None:
         self.home = home
         self.settings = settings
+        self.storage = (
+            StorageConfig.postgres(POSTGRES_DSN, schema=f"bench_{uuid.uuid4().hex[:12]}")
+            if settings.storage == "postgres"
+            else StorageConfig.sqlite(home / "ledger.db")
+        )
         self.server: NatsServer | None = None
         self.credentials: CredentialSet | None = None
         self.bench_seed = home / "bench-raw.nk"
@@ -394,7 +410,7 @@ class Stack:
         self.service = self._spawn(
             "ledger.server",
             [
-                "--database", str(self.home / "ledger.db"),
+                *self._database_args(),
                 "--nats-url", self.url,
                 "--creds", str(self.credentials.ledger.seed_path),
                 "--contracts", str(self.contracts),
@@ -500,6 +516,14 @@ class Stack:
             "raw-workers": [p.pid for p in self.raw_workers],
         }
 
+    def _database_args(self) -> list[str]:
+        if self.storage.is_postgres:
+            return [
+                "--database", self.storage.postgres_dsn or "",
+                "--postgres-schema", self.storage.postgres_schema,
+            ]
+        return ["--database", str(self.home / "ledger.db")]
+
     def stop(self) -> None:
         """Stop everything this stack started (workers first, the server last)."""
         for index, process in enumerate(self.raw_workers):
@@ -514,6 +538,9 @@ class Stack:
             self.server.stop()
         for log in self._logs:
             log.close()
+        if self.storage.is_postgres:
+            with psycopg.connect(self.storage.postgres_dsn or "", autocommit=True) as db:
+                db.execute(f'DROP SCHEMA IF EXISTS "{self.storage.postgres_schema}" CASCADE')
 
 
 # --------------------------------------------------------------------- drivers
@@ -674,8 +701,7 @@ def latency_breakdown(
     clock. Read from the database after the phase, through a second handle,
     as the e2e tests inspect it.
     """
-    ledger = build_ledger(StorageConfig.sqlite(stack.home / "ledger.db"),
-                          contracts_dir=stack.contracts)
+    ledger = build_ledger(stack.storage, contracts_dir=stack.contracts)
     stages: dict[str, list[float]] = {name: [] for name, _ in STAGES}
     try:
         for operation_id, (sent, received) in itertools.islice(timeline.items(), limit):
@@ -929,14 +955,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="experiments for the executors, e.g. gc-pauses")
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, db)")
+    parser.add_argument("--storage", type=lambda s: [m for m in s.split(",") if m],
+                        default=["sqlite"],
+                        help="sqlite and/or postgres (a fresh schema at"
+                        " $OPLEDGER_TEST_POSTGRES_DSN, default the tests' local server)")
     return parser
 
 
 async def _main(args: argparse.Namespace, root: Path) -> None:
     reports = []
-    for executors, batch in itertools.product(args.executors, args.batch):
+    for storage, executors, batch in itertools.product(
+        args.storage, args.executors, args.batch
+    ):
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
-                            args.service_patches, args.executor_patches)
+                            args.service_patches, args.executor_patches, storage)
         reports.append(await run_config(settings, args, root))
         print_report(reports[-1], args)
         sys.stdout.flush()
@@ -948,6 +980,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if any(mode not in ("watch", "sdk") for mode in args.host_modes):
         print("error: --host-modes takes watch and/or sdk", file=sys.stderr)
+        return 2
+    if any(storage not in ("sqlite", "postgres") for storage in args.storage):
+        print("error: --storage takes sqlite and/or postgres", file=sys.stderr)
         return 2
     rates = ", ".join(f"{rate:g}" for rate in args.rate)
     print(f"e2e bench: {args.ops} ops x {args.concurrency} in flight; {rates} ops/s for "
