@@ -8,6 +8,7 @@ the bytes the event store keeps.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import ClassVar
 
 import orjson
 from eventsourcing.domain import CanInitAggregate, CanMutateAggregate
@@ -29,6 +30,11 @@ class LedgerEvent(BaseModel, CanMutateAggregate[str]):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset()
+    """Fields added in a later release, left out of the stored form while they are
+    None: the release before it reads such an event as it always did (its events
+    forbid fields they do not know), so an upgrade can be rolled back."""
+
     originator_id: str
     originator_version: int
     timestamp: datetime
@@ -45,7 +51,11 @@ def encoded_event(event: LedgerEvent) -> bytes:
     """The event's stored form: its JSON-mode dump as orjson bytes, computed once."""
     encoded: bytes | None = event.__dict__.get(_ENCODED)
     if encoded is None:
-        encoded = orjson.dumps(event.model_dump(mode="json"))
+        state = event.model_dump(mode="json")
+        for name in type(event).omitted_when_none:
+            if state.get(name, 0) is None:
+                del state[name]
+        encoded = orjson.dumps(state)
         event.__dict__[_ENCODED] = encoded
     return encoded
 

@@ -194,6 +194,8 @@ class Operation(BaseAggregate[str]):
         """The ledger's ID of the rejected operation this proposal repairs."""
         repair_depth: int = 0
         """How many repairs precede this proposal in its chain (0: not a repair)."""
+        omitted_when_none = frozenset({"trace_parent", "retries", "proposed_by"})
+
         trace_parent: str | None = None
         """The W3C `traceparent` of the ledger's check of this proposal (continuing the
         host's trace, if it sent one): the operation's later spans, on every process,

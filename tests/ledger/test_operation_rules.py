@@ -470,3 +470,32 @@ def test_a_success_reported_after_all_refuses_the_retry() -> None:
     assert op.state is S.FAILED and op.success_reported_late
     with pytest.raises(IllegalTransition, match="succeeded after all"):
         _retry(op)
+
+
+def test_fields_a_later_release_added_are_left_out_while_empty() -> None:
+    """An upgrade can be rolled back: the release before the trace and retry fields
+    reads a proposal stored without them exactly as before."""
+    import orjson
+
+    from ledger.domain.events import encoded_event
+
+    plain = Operation.propose(
+        "h1/op-p", proposal={}, fingerprint="f", actor="a", tenant="t", environment="e",
+        tool="search_documents", now=T0,
+    )
+    proposed = cast(Operation.Proposed, plain.collect_events()[0])
+    stored = orjson.loads(encoded_event(proposed))
+    assert not {"trace_parent", "retries", "proposed_by"} & stored.keys()
+    assert stored["repairs"] is None  # a field of the earlier releases stays as it was
+    # As the earlier release's model would: no field it does not know.
+    earlier = set(type(proposed).model_fields) - {
+        "trace_parent", "retries", "proposed_by"
+    }
+    assert stored.keys() <= earlier
+    traced = Operation.propose(
+        "h1/op-t", proposal={}, fingerprint="f", actor="a", tenant="t", environment="e",
+        tool="search_documents", now=T0,
+        trace_parent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    )
+    first = cast(Operation.Proposed, traced.collect_events()[0])
+    assert orjson.loads(encoded_event(first))["trace_parent"].startswith("00-0af7")
