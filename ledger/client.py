@@ -439,9 +439,10 @@ async def _request(
 def _status_or_refusal(data: bytes) -> OperationStatus:
     """A status answer, or `RequestRefused` for the error envelope.
 
-    A status may carry an `error` of its own: a failed operation's. A ledger
-    older than this SDK refuses with `{"operation_id", "error"}` and no `ok`:
-    an error without `final` is a refusal in either shape.
+    A status always has `final`; a failed operation's failure is in its `outcome`
+    (the status's own `error` field is never written). A ledger older than this SDK
+    refuses with `{"operation_id", "error"}` and no `ok`: an error without `final`
+    is a refusal in either shape.
     """
     body = orjson.loads(data)
     if isinstance(body, dict) and "final" not in body and body.get("error") is not None:
