@@ -10,8 +10,7 @@ with the contract's sensitive arguments masked.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,7 +18,7 @@ import orjson
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from executors._redact import RedactionPolicy, redact
-from policy import ToolContract
+from policy import ToolContract, replace_at_pointers
 from schemas import (
     GenAI,
     ResultEnvelope,
@@ -67,7 +66,7 @@ def execute_tool_span(
         TraceAttr.EXECUTOR: executor,
     }
     if capture_tool_content():
-        shown = _masked(arguments, contract.sensitive_arguments)
+        shown = replace_at_pointers(arguments, contract.sensitive_arguments, lambda _: _MASK)
         attributes[GenAI.TOOL_CALL_ARGUMENTS] = _captured(redact(shown, redaction).value)
     with tracer().start_as_current_span(
         f"{GenAI.EXECUTE_TOOL} {contract.name}",
@@ -113,31 +112,3 @@ def describe_result(span: Span, envelope: ResultEnvelope | None, reason: str) ->
         span.set_attribute(GenAI.TOOL_CALL_RESULT, _captured(envelope.data))
 
 
-def _masked(arguments: dict[str, Any], pointers: Sequence[str]) -> dict[str, Any]:
-    """A copy of `arguments` with the value at each pointer that resolves masked."""
-    if not pointers:
-        return arguments
-    shown = copy.deepcopy(arguments)
-    for pointer in pointers:
-        tokens = [t.replace("~1", "/").replace("~0", "~") for t in pointer.split("/")[1:]]
-        if not tokens:
-            continue
-        parent: Any = shown
-        for token in tokens[:-1]:
-            parent = _child(parent, token)
-            if parent is None:
-                break
-        last = tokens[-1]
-        if isinstance(parent, dict) and last in parent:
-            parent[last] = _MASK
-        elif isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
-            parent[int(last)] = _MASK
-    return shown
-
-
-def _child(value: Any, token: str) -> Any:
-    if isinstance(value, dict):
-        return value.get(token)
-    if isinstance(value, list) and token.isdigit() and int(token) < len(value):
-        return value[int(token)]
-    return None

@@ -13,6 +13,7 @@ The public surface:
 
 from policy._check._checker import ProposalChecker
 from policy._check._parse import DEFAULT_LIMITS, ArgumentLimits, json_value_issue
+from policy._check._pointer import replace_at_pointers
 from policy._check._structure import CompiledSchema
 from policy._contract import (
     ApprovalMode,
@@ -96,6 +97,7 @@ __all__ = [
     "offered_contracts",
     "openai_strict_report",
     "parse_contract",
+    "replace_at_pointers",
     "to_anthropic_tool",
     "to_mcp_tool",
     "to_openai_tool",

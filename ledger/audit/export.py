@@ -15,7 +15,7 @@ import orjson
 
 from ledger.adapters.event_tables import StoredRow
 from ledger.domain.hashing import stored_event_hash
-from policy import ToolContract
+from policy import ToolContract, replace_at_pointers
 from schemas import canonical_json, sha256_hex
 
 __all__ = ["export_jsonl", "exported_events", "feed_record", "redact_arguments"]
@@ -36,15 +36,7 @@ def redact_arguments(arguments: Any, sensitive: tuple[str, ...]) -> Any:
     if not isinstance(arguments, dict):
         # Raw text we could not parse: nothing can be pointed into, hash it whole.
         return _hashed(arguments)
-    result = copy.deepcopy(arguments)
-    for pointer in sensitive:
-        parts = [p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:]]
-        node: Any = result
-        for part in parts[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and parts and parts[-1] in node:
-            node[parts[-1]] = _hashed(node[parts[-1]])
-    return result
+    return replace_at_pointers(arguments, sensitive, _hashed)
 
 
 def _redact_event(state: dict[str, Any], sensitive: tuple[str, ...]) -> dict[str, Any]:

@@ -140,6 +140,7 @@ class LedgerGateway:
         """An operator resolves, cancels or retries (recorded as `operator:<name>`); the
         status after."""
         by = f"operator:{operator}"
+        answered = request.operation_id
         if request.command == "resolve":
             if request.applied is None:
                 raise InvalidArgument("a resolution says whether it was applied (`applied`)")
@@ -147,16 +148,14 @@ class LedgerGateway:
                 request.operation_id, by=by, applied=request.applied, reason=request.reason
             )
         elif request.command == "retry":
-            retried = self.ledger.retry(
-                request.operation_id, by=by, reason=request.reason, via="nats"
-            )
-            self.written.set()
             # The answer is the new operation's status: the retry runs as it.
-            return self.ledger.status(retried.operation_id)
+            answered = self.ledger.retry(
+                request.operation_id, by=by, reason=request.reason, via="nats"
+            ).operation_id
         else:
             self.ledger.cancel(request.operation_id, by=by, reason=request.reason)
         self.written.set()  # the relay publishes what changed now, not at its next poll
-        return self.ledger.status(request.operation_id)
+        return self.ledger.status(answered)
 
     async def decide(
         self, request: ApproverRequest, approver: str, roles: frozenset[str]
