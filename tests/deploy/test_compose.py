@@ -38,7 +38,6 @@ from argparse import ArgumentParser, Namespace
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from types import ModuleType
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -87,29 +86,17 @@ from schemas import (
     work_consumer,
 )
 from schemas._publish import WIRE_MODELS
+from tests.deploy.generator import GENERATOR, gen
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
-GENERATOR = REPO / "deploy" / "generate.py"
 GENERATED = "./deploy/generated/"
 """Where the compose file expects the generator's output (`generate.py deploy/generated`)."""
 COMMITTED = ("./deploy/grafana/", "./deploy/proxy/")
 """Hand-written configuration the compose file mounts: committed, with no secret in it."""
 
 
-def _load_generator() -> ModuleType:
-    """deploy/generate.py as a module (it is a script, not part of a package)."""
-    name = "opledger_deploy_generate"
-    spec = importlib.util.spec_from_file_location(name, GENERATOR)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
 COMPOSE: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 LEDGERS = sorted(name for name in SERVICES if name.startswith("ledger-"))

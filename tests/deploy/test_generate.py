@@ -19,7 +19,6 @@ directory, a PostgreSQL of one's own), and:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -33,7 +32,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,27 +44,15 @@ import yaml
 from ledger.nats import connect_as, declare_topology, find_nats_server, free_port, load_credentials
 from schemas import RESULTS_STREAM, WORK_STREAM, Subjects
 from tests.conftest import POSTGRES_DSN, REQUIRE_POSTGRES
+from tests.deploy.generator import GENERATOR, gen
 
 REPO = Path(__file__).resolve().parents[2]
-GENERATOR = REPO / "deploy" / "generate.py"
 OPERATIONS = REPO / "docs" / "operations.md"
 TOOL = "search_documents"
 ADMIN_INBOX_PREFIX = "_INBOX_ledger_ledger"
 """What the runbook tells an admin client (the ledger identity) to use."""
 
 
-def _load_generator() -> ModuleType:
-    """deploy/generate.py as a module (it is a script, not part of a package)."""
-    name = "opledger_deploy_generate_plain"
-    spec = importlib.util.spec_from_file_location(name, GENERATOR)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
 
 
 def run_generator(*argv: str) -> subprocess.CompletedProcess[str]:
