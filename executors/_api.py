@@ -12,6 +12,11 @@ A tool is up to four plain functions around one side effect:
 - `check_postconditions(arguments, output, context) -> list[str]` (optional):
   verify the effect is what was asked for; any problem makes the result
   untrusted (failed for a read, outcome unknown for a write).
+- `preview(arguments, context) -> dict` (optional): a dry run, without any
+  side effect, saying what the call would do (resolved recipients, rendered
+  content, amounts). A contract with `approval.preview` has the approvers see
+  it before they approve; the executor runs it again right before the real
+  run, and a call whose effect no longer previews the same is not run.
 
 Each may be a plain or an `async` function. Plain functions run in a daemon
 thread so that a blocking provider call does not stop the progress heartbeat.
@@ -43,6 +48,7 @@ __all__ = [
     "PostconditionFn",
     "Precondition",
     "PreconditionVerdict",
+    "PreviewFn",
     "ReconcileFn",
     "ReconcileStatus",
     "Reconciliation",
@@ -229,6 +235,11 @@ PostconditionFn: TypeAlias = Callable[
     Sequence[str] | Awaitable[Sequence[str]],
 ]
 """`postconditions(arguments, output, context)`: problems with the effect; empty when fine."""
+PreviewFn: TypeAlias = Callable[
+    [Mapping[str, Any], ToolContext], Mapping[str, Any] | Awaitable[Mapping[str, Any]]
+]
+"""`preview(arguments, context)`: what the call would do, without doing it (JSON data).
+Deterministic for an unchanged target: the same call previews the same, byte for byte."""
 
 
 @dataclass(slots=True)
@@ -246,6 +257,7 @@ class Tool:
     reconcile: ReconcileFn | None = None
     check_postconditions: PostconditionFn | None = None
     cancel: CancelFn | None = None
+    preview: PreviewFn | None = None
     required_secrets: tuple[str, ...] = ()
     """Secret names the executor refuses to start without (lower case)."""
 
@@ -268,6 +280,11 @@ class Tool:
     def postcondition(self, fn: _F) -> _F:
         """Decorator: register `fn` as `check_postconditions`."""
         self.check_postconditions = fn
+        return fn
+
+    def previewer(self, fn: _F) -> _F:
+        """Decorator: register `fn` as `preview` (the dry run approvers are shown)."""
+        self.preview = fn
         return fn
 
 

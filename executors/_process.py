@@ -16,6 +16,9 @@ The rules (seed 001):
   or an untrustworthy output of a *write* tool is `outcome_unknown`: the
   side effect may have happened, so only reconciliation may decide.
 - `reconcile` → ask the tool what happened under the idempotency key.
+- `preview` → run the tool's preview (a dry run) for the approvers and send it
+  back; with `execute`, a call approved on a preview is previewed again first,
+  and not run if its effect changed since (`PREVIEW_CHANGED`).
 - `refused` → terminate: the ledger will never lease it to this tool.
 """
 
@@ -53,18 +56,23 @@ from executors._tracing import describe_result, execute_tool_span, reconcile_spa
 from policy import DEFAULT_LIMITS, CompiledSchema, ToolContract, json_value_issue
 from schemas import (
     CANCELLED_BEFORE_EFFECT,
+    PREVIEW_MAX_BYTES,
     RECONCILE_UNSUPPORTED,
+    CanonicalizationError,
     CheckStage,
     ErrorCategory,
     ErrorInfo,
     LeaseDecision,
     LeaseReply,
     LeaseRequest,
+    PreviewReport,
     Provenance,
     ResultEnvelope,
     TrustLabel,
     WorkItem,
+    canonical_json,
     result_message_id,
+    sha256_hex,
 )
 
 __all__ = [
@@ -336,6 +344,8 @@ class ItemProcessor:
             return ItemDisposition(ItemAction.ACK, "done")
         if reply.decision is LeaseDecision.BUSY:
             return ItemDisposition(ItemAction.NAK, "busy", delay_s=self._busy_delay(reply))
+        if reply.decision is LeaseDecision.PREVIEW:
+            return await self._preview_for_approvers(item, reply, lease, delivery)
         if reply.decision not in (LeaseDecision.EXECUTE, LeaseDecision.RECONCILE):
             # A decision this executor does not know: never guess "execute".
             self._log.error("unknown lease decision %r for %s", reply.decision, item.operation_id)
@@ -443,7 +453,13 @@ class ItemProcessor:
         arguments: dict[str, Any] = dict(reply.arguments or {})
         try:
             disposition = await self._execute_checked(
-                attempt, arguments, context, deadline, round(timeout_s * 1000), lease
+                attempt,
+                arguments,
+                context,
+                deadline,
+                round(timeout_s * 1000),
+                lease,
+                reply.preview_hash,
             )
         finally:
             self.metrics.duration.labels(tool=self.contract.name).observe(
@@ -459,6 +475,7 @@ class ItemProcessor:
         deadline: float,
         timeout_ms: int,
         lease: LeaseFn,
+        preview_hash: str | None = None,
     ) -> ItemDisposition:
         # The ledger checked these arguments; checking them again against the
         # pinned schema catches a ledger and an executor that disagree on it.
@@ -490,6 +507,12 @@ class ItemProcessor:
                 return await self._report_output(
                     attempt, arguments, checked.data, context, reason="already_applied"
                 )
+        if preview_hash is not None:
+            # Last before the run (after the preconditions: an effect already applied is
+            # reported as such, not previewed again), as close to the effect as it gets.
+            changed = await self._preview_changed(arguments, context, deadline, preview_hash)
+            if changed is not None:
+                return self._failure(attempt, changed)
         # The GenAI conventions' span covers the tool's run itself: not a lookup, not a
         # precondition that finds the call stale or applied already, not a replay.
         with execute_tool_span(
@@ -769,6 +792,140 @@ class ItemProcessor:
             reason="reconciled",
         )
 
+    # ---------------------------------------------------------------- preview
+
+    async def _preview_for_approvers(
+        self, item: WorkItem, reply: LeaseReply, lease: LeaseFn, delivery: int
+    ) -> ItemDisposition:
+        """Run the preview a call awaiting approval needs and send it to the ledger."""
+        timeout_s = (reply.timeout_ms or self.contract.timeout_ms) / 1000
+        context = self._context(
+            _Attempt(item.operation_id, reply.attempt or 1, 0, time.monotonic()),
+            timeout_s,
+            reply,
+        )
+        report, transient = await self._previewed(
+            dict(reply.arguments or {}), context, time.monotonic() + timeout_s
+        )
+        if transient and delivery < self._give_up_after:
+            # A provider that is down now: the approvers get the effect a little later
+            # rather than a failed preview for good.
+            return ItemDisposition(ItemAction.NAK, "preview_retry", delay_s=self._retry_delay)
+        try:
+            await lease(
+                LeaseRequest(operation_id=item.operation_id, executor=self.executor, preview=report)
+            )
+        except LeaseError as refusal:
+            return self._lease_error(item, refusal.error, delivery)
+        except Exception as exc:
+            self._log.warning(
+                "preview of %s not delivered: %s", item.operation_id, type(exc).__name__
+            )
+            return ItemDisposition(ItemAction.NAK, "lease_unavailable", delay_s=self._retry_delay)
+        return ItemDisposition(ItemAction.ACK, "previewed")
+
+    async def _preview_changed(
+        self,
+        arguments: Mapping[str, Any],
+        context: ToolContext,
+        deadline: float,
+        approved: str,
+    ) -> ErrorInfo | None:
+        """Why the call must not run because its effect is not the one approved, if so.
+
+        The approvers approved a preview; time passed since (seed 001's TOCTOU): a
+        recipient's address changed, a template was edited. The same preview, run
+        now, must come out byte for byte the same, or nothing is run.
+        """
+        report, transient = await self._previewed(arguments, context, deadline)
+        if report.error is not None:
+            # Only a preview that showed an effect can be approved: one that cannot be
+            # run now shows none, whatever its digest.
+            if transient:
+                return ErrorInfo(
+                    code="PREVIEW_UNAVAILABLE",
+                    category=ErrorCategory.TRANSIENT,
+                    message="the effect could not be previewed again before the run;"
+                    " nothing ran",
+                    retryable=True,
+                )
+            return ErrorInfo(
+                code="PREVIEW_FAILED",
+                category=ErrorCategory.INTERNAL,
+                message=f"the preview failed before the run ({report.error.code}); nothing ran",
+            )
+        if report.digest() != approved:
+            return ErrorInfo(
+                code="PREVIEW_CHANGED",
+                category=ErrorCategory.CONFLICT,
+                message="what the call would do now differs from the preview its approvers"
+                " approved; nothing ran",
+            )
+        return None
+
+    async def _previewed(
+        self, arguments: Mapping[str, Any], context: ToolContext, deadline: float
+    ) -> tuple[PreviewReport, bool]:
+        """The tool's preview as a report (redacted like any output), and whether its
+        failure is transient (worth trying again)."""
+        hook = self.tool.preview
+        if hook is None:
+            return _preview_error(
+                "PREVIEW_UNSUPPORTED", ErrorCategory.INTERNAL, "this tool has no preview"
+            ), False
+        try:
+            output = await asyncio.wait_for(
+                _invoke(hook, arguments, context), timeout=max(deadline - time.monotonic(), 0.1)
+            )
+        except ToolError as error:
+            info = self._tool_error_info(error)
+            message, _ = redact_text(info.message, self.redaction)
+            return PreviewReport(
+                error=ErrorInfo(
+                    code=info.code,
+                    category=info.category,
+                    message=message[:_MAX_MESSAGE_CHARS],
+                )
+            ), info.category is ErrorCategory.TRANSIENT
+        except TimeoutError:
+            return _preview_error(
+                "PREVIEW_TIMEOUT", ErrorCategory.TRANSIENT, "the preview took too long"
+            ), True
+        except Exception:
+            self._log.exception("preview crashed on %s", context.operation_id)
+            return _preview_error(
+                "PREVIEW_FAILED", ErrorCategory.INTERNAL, "the preview failed"
+            ), False
+        try:
+            if not isinstance(output, Mapping):
+                raise TypeError
+            data: dict[str, Any] = orjson.loads(orjson.dumps(output))
+        except TypeError:
+            return _preview_error(
+                "PREVIEW_INVALID", ErrorCategory.INTERNAL, "the preview is not a JSON object"
+            ), False
+        if json_value_issue(data, DEFAULT_LIMITS.max_depth) is not None:
+            return _preview_error(
+                "PREVIEW_INVALID", ErrorCategory.INTERNAL, "the preview is not plain JSON"
+            ), False
+        # Approvers see it redacted like any output; the digest binds what the tool
+        # produced, so a change in a part they were not shown is a change all the same.
+        try:
+            produced = sha256_hex(canonical_json(data))
+        except CanonicalizationError:
+            return _preview_error(
+                "PREVIEW_INVALID", ErrorCategory.INTERNAL, "the preview is not plain JSON"
+            ), False
+        shown = redact(data, self.redaction)
+        report = PreviewReport(
+            effect=shown.value, effect_sha256=produced, redactions=list(shown.pointers)[:1000]
+        )
+        if len(canonical_json(report.model_dump(mode="json"))) > PREVIEW_MAX_BYTES:
+            return _preview_error(
+                "PREVIEW_TOO_LARGE", ErrorCategory.INTERNAL, "the preview is too large to show"
+            ), False
+        return report, False
+
     # ---------------------------------------------------------------- results
 
     async def _report_output(
@@ -950,6 +1107,10 @@ class ItemProcessor:
         return ItemDisposition(
             ItemAction.PUBLISH, reason, envelope=envelope, keep_until=attempt.lease_expires_at
         )
+
+
+def _preview_error(code: str, category: ErrorCategory, message: str) -> PreviewReport:
+    return PreviewReport(error=ErrorInfo(code=code, category=category, message=message))
 
 
 def _issue_summary(issues: list[Any]) -> list[dict[str, str]]:

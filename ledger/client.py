@@ -386,9 +386,16 @@ class ApproverClient(_PersonClient):
     _subject = staticmethod(Subjects.approve)
 
     async def approve(
-        self, operation_id: str, *, proposal_hash: str, attempts: int = 1
+        self,
+        operation_id: str,
+        *,
+        proposal_hash: str,
+        preview_hash: str | None = None,
+        attempts: int = 1,
     ) -> OperationStatus:
-        """Approve exactly the call that hashes to `proposal_hash` (as shown to you).
+        """Approve exactly the call that hashes to `proposal_hash` (as shown to you), and,
+        for a call its tool previews, exactly the effect whose preview hashes to
+        `preview_hash` (as shown to you).
 
         `RequestRefused` (`APPROVAL_REFUSED`) when the ledger refused it; the
         refusal is recorded, and its message says what to do next. Asked once by
@@ -396,7 +403,10 @@ class ApproverClient(_PersonClient):
         refused (`duplicate_approver`), so look at the operation instead.
         """
         request = ApproverRequest(
-            command="approve", operation_id=operation_id, proposal_hash=proposal_hash
+            command="approve",
+            operation_id=operation_id,
+            proposal_hash=proposal_hash,
+            preview_hash=preview_hash,
         )
         return await self._send(request, attempts)
 

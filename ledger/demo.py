@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from executors.samples.email import count_send_requests, count_sends
 from ledger.client import AgentHostClient
 from ledger.embedded import DEMO_HOST, EmbeddedStack, StackInfo, running_stack
@@ -157,14 +159,17 @@ class Demo:
         # The ledger knows the operation by the host's namespace and its ID.
         ledger_op = ledger_operation_id(DEMO_HOST, op)
         proposal_hash = (reply.decision.proposal_hash if reply.decision else "") or ""
+        # The executor renders the message and resolves its recipient first (a dry run).
+        preview_hash = await self._previewed(ledger_op)
         self._say(f"  {ledger_op} is {reply.state}; the approver sees:")
         shown = self._cli("approvals", "show", ledger_op)
-        # The whole screen: what it acts on, the exact arguments, the hash approved.
+        # The whole screen: what it acts on, what would be sent, the exact arguments,
+        # the hashes approved.
         self._say("    " + "\n    ".join(shown.strip().splitlines()))
         # As the approver identity `lead`, over NATS: the ledger gives `lead` its
         # roles from its own configuration.
         self._cli("approvals", "approve", ledger_op, "--approver", "lead",
-                  "--proposal-hash", proposal_hash)
+                  "--proposal-hash", proposal_hash, "--preview-hash", preview_hash)
         assert self.host is not None
         status = await self.host.outcome(op, timeout=60)
         sends = count_sends(self.info.home + "/email-provider.db", ledger_op)
@@ -199,14 +204,17 @@ class Demo:
             }
             reply = await self._propose("crash", "send_customer_email", arguments)
             op = reply.operation_id or ""
+            ledger_op = ledger_operation_id(DEMO_HOST, op)
             self._cli(
                 "approvals",
                 "approve",
-                ledger_operation_id(DEMO_HOST, op),
+                ledger_op,
                 "--approver",
                 "lead",
                 "--proposal-hash",
                 (reply.decision.proposal_hash if reply.decision else "") or "",
+                "--preview-hash",
+                await self._previewed(ledger_op),
             )
             for _ in range(300):
                 if crashing.poll() is not None:
@@ -270,6 +278,17 @@ class Demo:
     # ---------------------------------------------------------------- helpers
 
     _last_code = 0
+
+    async def _previewed(self, ledger_op: str, timeout_s: float = 60.0) -> str:
+        """The preview hash of an e-mail awaiting approval, once its executor sent it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            shown = orjson.loads(self._cli("approvals", "show", ledger_op, "--json"))
+            if shown.get("preview_hash"):
+                return str(shown["preview_hash"])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no preview of {ledger_op} within {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
 
     def _cli(self, *args: str, check: bool = True) -> str:
         run = subprocess.run(

@@ -120,6 +120,15 @@ class ApprovalPolicy(_Frozen):
         default=True, description="The requester may not approve their own call."
     )
     expires_after_s: int = Field(default=900, gt=0)
+    preview: bool = Field(
+        default=False,
+        description=(
+            "Before anyone approves, the tool's executor runs its preview hook (a dry run,"
+            " no side effect) and the approvers see what the call would do: approvals name"
+            " the preview's digest, and the executor refuses to run a call whose effect no"
+            " longer previews the same."
+        ),
+    )
 
     @model_validator(mode="after")
     def _thresholds_match_mode(self) -> ApprovalPolicy:
@@ -134,6 +143,9 @@ class ApprovalPolicy(_Frozen):
                 self.risk_threshold
             ):
                 raise ValueError("two_person_from must not be below risk_threshold")
+        if self.preview and self.mode in (ApprovalMode.NEVER, ApprovalMode.FORBIDDEN):
+            raise ValueError("preview applies only to calls someone approves (not mode never"
+                             " or forbidden)")
         for role, count in self.required_from.items():
             if role not in self.approver_roles:
                 raise ValueError(f"required_from names {role!r}, which is not an approver role")

@@ -24,6 +24,7 @@ from schemas._decision import (
 from schemas._errors import ErrorCategory, ErrorEnvelope, ErrorInfo
 from schemas._exceptions import CanonicalizationError, OpledgerError
 from schemas._messages import (
+    PREVIEW_MAX_BYTES,
     ApproverRequest,
     CancelRequest,
     FeedEvent,
@@ -32,6 +33,7 @@ from schemas._messages import (
     LeaseRequest,
     OperationStatus,
     OperatorRequest,
+    PreviewReport,
     ProposalEnvelope,
     ProposeReply,
     StatusRequest,
@@ -66,6 +68,7 @@ from schemas._subjects import (
     inbox_prefix,
     ledger_operation_id,
     new_operation_id,
+    preview_message_id,
     result_message_id,
     work_consumer,
     work_message_id,
@@ -89,6 +92,7 @@ __all__ = [
     "FEED_AUDITOR_CONSUMER",
     "FEED_STREAM",
     "OPERATION_ID_PATTERN",
+    "PREVIEW_MAX_BYTES",
     "RECONCILE_UNSUPPORTED",
     "REPAIR_EXHAUSTED",
     "REPAIR_TARGET_INVALID",
@@ -117,6 +121,7 @@ __all__ = [
     "OperationStatus",
     "OperatorRequest",
     "OpledgerError",
+    "PreviewReport",
     "ProposalEnvelope",
     "ProposeReply",
     "Provenance",
@@ -147,6 +152,7 @@ __all__ = [
     "inbox_prefix",
     "ledger_operation_id",
     "new_operation_id",
+    "preview_message_id",
     "proposal_hash",
     "render_schema",
     "result_message_id",

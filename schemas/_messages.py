@@ -6,10 +6,10 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, WithJsonSchema
+from pydantic import Field, WithJsonSchema, model_validator
 
 from schemas._base import WireModel
-from schemas._canonical import DIGEST_PATTERN, Digest
+from schemas._canonical import DIGEST_PATTERN, Digest, canonical_json, sha256_hex
 from schemas._decision import Decision
 from schemas._errors import ErrorInfo
 from schemas._proposal import RuntimeContext, ToolProposal
@@ -21,6 +21,7 @@ __all__ = [
     "OPERATION_STATES",
     "OUTCOME_SCHEMA",
     "OUTCOME_STATUSES",
+    "PREVIEW_MAX_BYTES",
     "CancelRequest",
     "FeedEvent",
     "LeaseDecision",
@@ -28,6 +29,7 @@ __all__ = [
     "LeaseRequest",
     "OperationStatus",
     "OperatorRequest",
+    "PreviewReport",
     "ProposalEnvelope",
     "ProposeReply",
     "StatusRequest",
@@ -77,6 +79,8 @@ EVENT_TYPES: Final = (
     "Rejected",
     "ClarificationNeeded",
     "ApprovalRequested",
+    "PreviewRequested",
+    "PreviewRecorded",
     "ApprovalGranted",
     "ApprovalRefused",
     "ApprovalDenied",
@@ -221,6 +225,9 @@ class WorkPurpose(StrEnum):
     """An attempt is ready to run."""
     RECONCILE = "reconcile"
     """An attempt's outcome is unknown: look it up at the provider, never run it again."""
+    PREVIEW = "preview"
+    """A call awaits approval: run the tool's preview (a dry run, no side effect) so that
+    the approvers see what it would do."""
 
 
 class WorkItem(WireModel):
@@ -234,13 +241,62 @@ class WorkItem(WireModel):
     purpose: WorkPurpose = Field(
         default=WorkPurpose.EXECUTE,
         description="Informational: an executor asks for the lease either way, and the"
-        " lease answers `execute` or `reconcile`.",
+        " lease answers `execute`, `reconcile` or `preview`.",
     )
     lookup: int = Field(
         default=0,
         ge=0,
         description="For `reconcile`: which lookup of the outcome this is (1, 2, ...).",
     )
+
+
+PREVIEW_MAX_BYTES: Final = 64 * 1024
+"""The largest preview report (as canonical JSON) the ledger records: it is shown to
+people and stored in an event."""
+
+
+class PreviewReport(WireModel):
+    """What a tool's preview (a dry run) says the call would do, or why it could not say.
+
+    Exactly one of `effect` and `error`. Its digest (`digest()`) is what an
+    approval of a previewed call names, and what the executor checks again right
+    before the real run. A report with an `error` cannot be approved: nothing
+    was shown that an approval could stand for.
+    """
+
+    effect: dict[str, Any] | None = Field(
+        default=None,
+        description="The effect as the tool would cause it (resolved recipients, rendered"
+        " content, amounts), for people, redacted like any output (see `redactions`);"
+        " at most 64 KiB as JSON.",
+    )
+    effect_sha256: Digest | None = Field(
+        default=None,
+        pattern=DIGEST_PATTERN,
+        description="With `effect`: SHA-256 of the effect as the tool produced it, before"
+        " redaction (RFC 8785 canonical JSON). The digest covers it, so a change in a"
+        " part not shown (a secret, hidden characters, text cut for length) is a change.",
+    )
+    redactions: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="JSON pointers into `effect` of the values changed for display:"
+        " what the approvers see there is not byte for byte what the tool would use.",
+    )
+    error: ErrorInfo | None = Field(
+        default=None, description="Why the tool could not preview the call."
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PreviewReport:
+        if (self.effect is None) == (self.error is None):
+            raise ValueError("a preview report carries exactly one of effect and error")
+        return self
+
+    def digest(self) -> str:
+        """SHA-256 of the report as RFC 8785 canonical JSON: the same bytes, whichever
+        process computes it (the ledger recording it, the executor checking it again)."""
+        return sha256_hex(canonical_json(self.model_dump(mode="json", exclude_none=True)))
 
 
 class LeaseRequest(WireModel):
@@ -255,6 +311,14 @@ class LeaseRequest(WireModel):
         " Nothing is leased; the answer says whether to go on (`execute`), stop if it"
         " still can (`cancel`), or that the lease is no longer this executor's (`done`).",
     )
+    preview: PreviewReport | None = Field(
+        default=None,
+        description="After a `preview` answer: the preview this executor ran. Nothing is"
+        " leased; the ledger records the first preview of a call and answers `done`."
+        " Left out when there is none.",
+    )
+
+    omitted_when_none = frozenset({"preview"})
 
 
 class LeaseDecision(StrEnum):
@@ -271,6 +335,9 @@ class LeaseDecision(StrEnum):
     CANCEL = "cancel"
     """To a check-in: the operation was cancelled while it runs; stop if no effect
     happened yet (the tool's `cancel` hook), and report what happened either way."""
+    PREVIEW = "preview"
+    """The call awaits approval: run the tool's preview with these arguments (no side
+    effect, no lease) and send it back (`LeaseRequest.preview`)."""
 
 
 class LeaseReply(WireModel):
@@ -282,8 +349,8 @@ class LeaseReply(WireModel):
     tool_version: str | None = None
     arguments: dict[str, Any] | None = Field(
         default=None,
-        description="With execute and reconcile: the exact arguments as checked (and"
-        " approved), normalized; an object the tool contract's `input_schema` describes.",
+        description="With execute, reconcile and preview: the exact arguments as checked"
+        " (and approved), normalized; an object the tool contract's `input_schema` describes.",
     )
     fencing_token: int | None = None
     attempt: int | None = None
@@ -294,6 +361,12 @@ class LeaseReply(WireModel):
     )
     timeout_ms: int | None = None
     proposal_hash: Digest | None = None
+    preview_hash: Digest | None = Field(
+        default=None,
+        description="With execute: the digest of the preview the approvers approved; the"
+        " executor previews the call again and does not run it if the effect differs."
+        " Left out when the call was not previewed.",
+    )
     not_before: datetime | None = Field(
         default=None,
         description="With busy: a scheduled retry may not run before this time; ask again then.",
@@ -307,10 +380,12 @@ class LeaseReply(WireModel):
     )
     context: RuntimeContext | None = Field(
         default=None,
-        description="With execute and reconcile: who the call runs for, from the ledger's"
-        " record of the proposal (never from the work item or the tool's arguments), so"
+        description="With execute, reconcile and preview: who the call runs for, from the"
+        " ledger's record of the proposal (never from the work item or the tool's arguments), so"
         " that the tool scopes its work by it (the tenant, above all).",
     )
+
+    omitted_when_none = frozenset({"preview_hash"})
 
 
 class CancelRequest(WireModel):
@@ -382,7 +457,16 @@ class ApproverRequest(WireModel):
         pattern=DIGEST_PATTERN,
         description="For `approve`: the hash of the call as shown (required).",
     )
+    preview_hash: str | None = Field(
+        default=None,
+        pattern=DIGEST_PATTERN,
+        description="For `approve` of a call whose contract asks for a preview: the digest"
+        " of the preview as shown (required for such a call, refused for a different one;"
+        " ignored for a call that has no preview). Left out when there is none.",
+    )
     reason: str = Field(default="", max_length=500)
+
+    omitted_when_none = frozenset({"preview_hash"})
 
 
 class StatusRequest(WireModel):

@@ -29,6 +29,7 @@ __all__ = [
     "inbox_prefix",
     "ledger_operation_id",
     "new_operation_id",
+    "preview_message_id",
     "result_message_id",
     "work_consumer",
     "work_message_id",
@@ -91,6 +92,11 @@ def work_message_id(operation_id: str, attempt: int, lookup: int = 0) -> str:
     if lookup:
         return f"{operation_id}:attempt-{attempt}:lookup-{lookup}"
     return f"{operation_id}:attempt-{attempt}"
+
+
+def preview_message_id(operation_id: str) -> str:
+    """The `Nats-Msg-Id` of the work item asking for a call's preview: one per call."""
+    return f"{operation_id}:preview"
 
 
 def feed_message_id(operation_id: str, version: int) -> str:

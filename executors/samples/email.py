@@ -94,6 +94,10 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS in_flight ("
     " idempotency_key TEXT PRIMARY KEY,"
     " started_at TEXT NOT NULL)",
+    # Customers who unsubscribed at the provider: never sent to, whatever was approved.
+    "CREATE TABLE IF NOT EXISTS suppressions ("
+    " customer_id TEXT PRIMARY KEY,"
+    " since TEXT NOT NULL)",
 )
 _REQUEST = "INSERT INTO send_requests (idempotency_key, outcome, requested_at) VALUES (?, ?, ?)"
 _SUBJECTS = {
@@ -252,6 +256,24 @@ class FakeEmailProvider:
             row = db.execute(_SELECT, (idempotency_key,)).fetchone()
         return None if row is None else _record(row)
 
+    def suppress(self, customer_id: str) -> None:
+        """The customer unsubscribed: no message goes to them from now on."""
+        with self._connection() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO suppressions VALUES (?, ?)",
+                (customer_id, datetime.now(UTC).isoformat()),
+            )
+
+    def suppressed(self, customer_ids: Sequence[str]) -> frozenset[str]:
+        """Which of these customers unsubscribed at the provider."""
+        marks = ", ".join("?" * len(customer_ids))
+        with self._connection() as db:
+            rows = db.execute(
+                f"SELECT customer_id FROM suppressions WHERE customer_id IN ({marks})",
+                tuple(customer_ids),
+            ).fetchall()
+        return frozenset(str(row[0]) for row in rows)
+
     def in_progress(self, idempotency_key: str) -> bool:
         """Whether a send under this key has started and not yet finished."""
         with self._connection() as db:
@@ -311,8 +333,11 @@ def _render(arguments: Mapping[str, Any]) -> tuple[str, str]:
     return subject, body
 
 
-def _resolve(recipient_ids: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Addresses from the executor's own directory; opted-out customers are rejected."""
+def _resolve(
+    recipient_ids: Sequence[str], suppressed: frozenset[str] = frozenset()
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """Addresses from the executor's own directory; opted-out customers (and those who
+    unsubscribed at the provider, `suppressed`) are rejected."""
     unknown = [rid for rid in recipient_ids if customer_address(rid) is None]
     if unknown:
         raise ToolError(
@@ -324,7 +349,7 @@ def _resolve(recipient_ids: Sequence[str]) -> tuple[list[tuple[str, str]], list[
     accepted: list[tuple[str, str]] = []
     rejected: list[str] = []
     for rid in recipient_ids:
-        if rid in CUSTOMERS_OPTED_OUT:
+        if rid in CUSTOMERS_OPTED_OUT or rid in suppressed:
             rejected.append(rid)
         else:
             address = customer_address(rid)
@@ -346,14 +371,15 @@ def _provider(context: ToolContext) -> FakeEmailProvider:
 def send_customer_email(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
     """Render the template and send it to each recipient, keyed by the operation ID."""
     subject, body = _render(arguments)
-    accepted, rejected = _resolve(list(arguments["recipient_ids"]))
+    provider = _provider(context)
+    recipient_ids = list(arguments["recipient_ids"])
+    accepted, rejected = _resolve(recipient_ids, _suppressed(provider, recipient_ids))
     if not accepted:
         raise ToolError(
             ErrorCategory.POLICY_DENIED,
             "RECIPIENT_OPTED_OUT",
             "every recipient has opted out of customer e-mail",
         )
-    provider = _provider(context)
     try:
         record = provider.send(
             idempotency_key=context.idempotency_key,
@@ -382,6 +408,33 @@ def send_customer_email(arguments: Mapping[str, Any], context: ToolContext) -> d
         # The side effect exists; nothing about it has been published or acked.
         os._exit(137)
     return record.as_output()
+
+
+def _suppressed(provider: FakeEmailProvider, customer_ids: Sequence[str]) -> frozenset[str]:
+    try:
+        return provider.suppressed(customer_ids)
+    except sqlite3.Error:
+        raise ToolError(
+            ErrorCategory.TRANSIENT, "PROVIDER_UNAVAILABLE", "the mail provider is unavailable"
+        ) from None
+
+
+@send_customer_email.previewer
+def _what_would_be_sent(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+    """The message as rendered and who receives it, resolved as a send would: no send."""
+    subject, body = _render(arguments)
+    recipient_ids = list(arguments["recipient_ids"])
+    accepted, rejected = _resolve(recipient_ids, _suppressed(_provider(context), recipient_ids))
+    return {
+        "summary": f"send {len(accepted)} e-mail(s): {subject}",
+        "subject": subject,
+        "body": body,
+        "recipients": [{"customer_id": rid, "address": address} for rid, address in accepted],
+        "not_sent_to": [
+            {"customer_id": rid, "reason": "opted out of customer e-mail"} for rid in rejected
+        ],
+        "reversible": False,
+    }
 
 
 @send_customer_email.precondition

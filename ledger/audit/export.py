@@ -3,6 +3,11 @@
 Argument values a contract marks sensitive are replaced by their SHA-256, in
 every place they appear (the proposal, the validated arguments, the approval
 preview). Hashes keep them comparable across events without revealing them.
+A tool's own preview of a call (`PreviewRecorded.report`) is hashed whole, for
+every tool: it renders the arguments into text nobody can point into (a message
+body), and holds what the executor resolved and the ledger never had (the
+recipients' addresses). It is for the approvers, who read it from the ledger;
+auditors compare its hash.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ def redact_arguments(arguments: Any, sensitive: tuple[str, ...]) -> Any:
 
 
 def _redact_event(state: dict[str, Any], sensitive: tuple[str, ...]) -> dict[str, Any]:
+    if isinstance(state.get("report"), dict):
+        state = {**state, "report": _hashed(state["report"])}
     if not sensitive:
         return state
     state = copy.deepcopy(state)

@@ -133,6 +133,19 @@ _KINDS = (
         state=S.AWAITING_APPROVAL,
     ),
     EventKind(
+        Op.PreviewRequested,
+        lambda _e: "preview requested from the tool's executor",
+        dispatches=WorkPurpose.PREVIEW,
+    ),
+    EventKind(
+        Op.PreviewRecorded,
+        lambda e: (
+            f"previewed by {e.executor}"
+            + (f": {e.report['error'].get('code')}" if "error" in e.report else "")
+            + f", preview {_short(e.preview_hash)}"
+        ),
+    ),
+    EventKind(
         Op.ApprovalGranted,
         lambda e: f"approved by {e.approver}{_as_roles(e.approver_roles)}{_via(e.via)}",
     ),
@@ -202,8 +215,10 @@ _KINDS = (
     ),
     EventKind(
         Op.OutcomeUnknown,
-        lambda e: f"outcome unknown on attempt {e.attempt}: {e.reason or '-'}"
-        + (f"; looked up from {when_text(e.not_before)}" if e.not_before else ""),
+        lambda e: (
+            f"outcome unknown on attempt {e.attempt}: {e.reason or '-'}"
+            + (f"; looked up from {when_text(e.not_before)}" if e.not_before else "")
+        ),
         state=S.OUTCOME_UNKNOWN,
         dispatches=WorkPurpose.RECONCILE,
     ),
@@ -293,6 +308,7 @@ def event_types() -> frozenset[type[Operation.Event]]:
     return frozenset(
         value
         for value in vars(Operation).values()
-        if isinstance(value, type) and issubclass(value, Operation.Event)
+        if isinstance(value, type)
+        and issubclass(value, Operation.Event)
         and value is not Operation.Event
     )

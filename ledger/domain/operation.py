@@ -34,6 +34,7 @@ from schemas import (
     CANCELLED_BEFORE_EFFECT,
     RECONCILE_UNSUPPORTED,
     TRACEPARENT_PATTERN,
+    PreviewReport,
     ResultOutcome,
     RiskLevel,
 )
@@ -107,6 +108,7 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
             S.NEEDS_RESOLUTION,
         }
     ),
+    "request_preview": frozenset({S.AWAITING_APPROVAL}),
     "deny_approval": frozenset({S.AWAITING_APPROVAL}),
     "expire_approval": frozenset({S.AWAITING_APPROVAL}),
     "claim_lease": frozenset({S.READY}),
@@ -221,9 +223,7 @@ class Operation(BaseAggregate[str]):
             aggregate.environment = self.environment
             aggregate.tool = self.tool
             aggregate.host = self.host
-            aggregate.capabilities = (
-                None if self.capabilities is None else tuple(self.capabilities)
-            )
+            aggregate.capabilities = None if self.capabilities is None else tuple(self.capabilities)
             aggregate.repairs = self.repairs
             aggregate.repair_depth = self.repair_depth
             aggregate.trace_parent = self.trace_parent
@@ -246,6 +246,9 @@ class Operation(BaseAggregate[str]):
             aggregate.approvers = []
             aggregate.approvals_given = ()
             aggregate.approval_consumed = False
+            aggregate.preview_requested = False
+            aggregate.preview = None
+            aggregate.preview_hash = None
             aggregate.attempt = 0
             aggregate.fencing_token = 0
             aggregate.lease = None
@@ -339,8 +342,28 @@ class Operation(BaseAggregate[str]):
                 required_from=dict(self.required_from),
             )
 
+    class PreviewRequested(Event):
+        """The contract asks for the tool's own preview (a dry run on its executor)
+        before anyone approves: approvals wait for it and name its digest."""
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.preview_requested = True
+
+    class PreviewRecorded(Event):
+        """An executor ran the tool's preview: what the call would do, as the approvers
+        are shown it (`report`: a `schemas.PreviewReport`, `preview_hash` its digest)."""
+
+        executor: str
+        report: dict[str, Any]
+        preview_hash: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.preview = self.report
+            aggregate.preview_hash = self.preview_hash
+
     class ApprovalGranted(Event):
-        """One approver approved the call bound to `proposal_hash`."""
+        """One approver approved the call bound to `proposal_hash` (and, for a previewed
+        call, to `preview_hash`: the effect the approver was shown)."""
 
         approval_id: str
         approver: str
@@ -350,6 +373,10 @@ class Operation(BaseAggregate[str]):
         via: str = ""
         """`nats`: the approver's own NATS identity said so; `break_glass`: someone with
         the database wrote it directly. Empty in events from before it was recorded."""
+        preview_hash: str | None = None
+        """The digest of the tool's preview the approver was shown (`PreviewRecorded`);
+        None for a call its contract does not preview."""
+        omitted_when_none = frozenset({"preview_hash"})
 
         def apply_to(self, aggregate: Any) -> None:
             aggregate.approvers = [*aggregate.approvers, self.approver]
@@ -366,6 +393,9 @@ class Operation(BaseAggregate[str]):
         decision: str = "approve"
         """What was refused: `approve` or `deny`."""
         via: str = ""
+        preview_hash: str | None = None
+        """The preview digest the refused approval named, if any."""
+        omitted_when_none = frozenset({"preview_hash"})
 
     class ApprovalDenied(Event):
         """An approver denied the call."""
@@ -749,6 +779,12 @@ class Operation(BaseAggregate[str]):
         approvals_given: tuple[ApprovalGiven, ...]
         """The approvals that count, with each approver's roles (`ApprovalGranted`)."""
         approval_consumed: bool
+        preview_requested: bool
+        """The contract asked for the tool's preview before approval (`PreviewRequested`)."""
+        preview: dict[str, Any] | None
+        """The recorded preview report (`PreviewRecorded`), None until one arrives."""
+        preview_hash: str | None
+        """Its digest: what an approval of this call names, and the executor checks."""
         attempt: int
         fencing_token: int
         lease: Lease | None
@@ -908,9 +944,7 @@ class Operation(BaseAggregate[str]):
         """Record that operation `by` repairs this rejected one; a second repair is refused."""
         self._guard("note_repair")
         if self.repaired_by is not None and self.repaired_by != by:
-            raise IllegalTransition(
-                f"already repaired by {self.repaired_by}", operation_id=self.id
-            )
+            raise IllegalTransition(f"already repaired by {self.repaired_by}", operation_id=self.id)
         if self.repaired_by == by:
             return  # the same repair again: converge, append nothing
         self._trigger(self.RepairProposed, now, by=by)
@@ -950,6 +984,34 @@ class Operation(BaseAggregate[str]):
             required_from=shares,
         )
 
+    def request_preview(self, now: datetime) -> None:
+        """Ask the tool's executor for a preview of this call before anyone approves it."""
+        self._guard("request_preview")
+        if not self.preview_requested:
+            self._trigger(self.PreviewRequested, now)
+
+    def record_preview(self, *, executor: str, report: PreviewReport, now: datetime) -> bool:
+        """Record the first preview of a call that awaits approval; returns whether it did.
+
+        A second preview (a redelivered item, a second executor) and one arriving after
+        the approval was decided converge on the first: approvers may already have
+        approved what it showed, so it never changes.
+        """
+        if (
+            not self.preview_requested
+            or self.preview_hash is not None
+            or self.state is not S.AWAITING_APPROVAL
+        ):
+            return False
+        self._trigger(
+            self.PreviewRecorded,
+            now,
+            executor=executor,
+            report=report.model_dump(mode="json", exclude_none=True),
+            preview_hash=report.digest(),
+        )
+        return True
+
     def mark_ready(self, now: datetime) -> None:
         """Auto-approved: the call may run."""
         self._guard("mark_ready")
@@ -964,11 +1026,13 @@ class Operation(BaseAggregate[str]):
         proposal_hash: str,
         now: datetime,
         via: str = "",
+        preview_hash: str | None = None,
     ) -> Refusal | None:
         """Approve; returns the refusal reason (recorded as an event) when refused.
 
         `via` says how the approver's word reached the ledger (`nats`, `web`,
-        `break_glass`).
+        `break_glass`). A call whose contract asks for a preview is approved only
+        once its preview is recorded, and only by naming that preview's digest.
         """
         _check_approver_name(approver)
         if self.state not in ALLOWED["grant_approval"] or self.approval is None:
@@ -978,7 +1042,9 @@ class Operation(BaseAggregate[str]):
                 state=self.state.value,
                 command="grant_approval",
             )
-        refusal = self._approval_refusal(approval_id, approver, approver_roles, proposal_hash, now)
+        refusal = self._approval_refusal(
+            approval_id, approver, approver_roles, proposal_hash, preview_hash, now
+        )
         if refusal is not None:
             self._trigger(
                 self.ApprovalRefused,
@@ -988,6 +1054,7 @@ class Operation(BaseAggregate[str]):
                 proposal_hash=proposal_hash,
                 reason=refusal,
                 via=via,
+                preview_hash=preview_hash,
             )
             if refusal == "expired":
                 self._trigger(self.ApprovalExpired, now, approval_id=self.approval.approval_id)
@@ -1000,6 +1067,7 @@ class Operation(BaseAggregate[str]):
             proposal_hash=proposal_hash,
             approver_roles=sorted(approver_roles & set(self.approval.approver_roles)),
             via=via,
+            preview_hash=self.preview_hash,
         )
         if self.approval.quorum_met(self.approvals_given):
             self._trigger(
@@ -1013,6 +1081,7 @@ class Operation(BaseAggregate[str]):
         approver: str,
         approver_roles: frozenset[str],
         proposal_hash: str,
+        preview_hash: str | None,
         now: datetime,
     ) -> Refusal | None:
         assert self.approval is not None
@@ -1031,6 +1100,16 @@ class Operation(BaseAggregate[str]):
             return Refusal("not_an_approver")
         if person in {same_person(given) for given in self.approvers}:
             return Refusal("duplicate_approver")
+        # Last, so that only one of its approvers learns anything of the preview.
+        if self.preview_requested:
+            # The approver approves the effect they were shown, not only the arguments:
+            # none was shown yet, the tool could show none, or another one was shown.
+            if self.preview is None:
+                return Refusal("preview_pending")
+            if "error" in self.preview:
+                return Refusal("preview_failed")
+            if preview_hash != self.preview_hash:
+                return Refusal("preview_hash_mismatch")
         return None
 
     def deny_approval(
@@ -1311,9 +1390,7 @@ class Operation(BaseAggregate[str]):
         )
         return ResultDisposition.CONFLICTING
 
-    def start_reconciliation(
-        self, *, by: str, now: datetime, ttl: timedelta | None = None
-    ) -> None:
+    def start_reconciliation(self, *, by: str, now: datetime, ttl: timedelta | None = None) -> None:
         """Begin looking the outcome up at the provider; with `ttl`, the lookup is `by`'s
         alone until then (another executor is answered busy), and a lookup whose
         executor vanished may be started again once it ran out."""
@@ -1427,9 +1504,7 @@ class Operation(BaseAggregate[str]):
             )
         self._trigger(self.RetryScheduled, now, after_attempt=self.attempt, not_before=not_before)
 
-    def note_retry(
-        self, *, retry_id: str, by: str, reason: str, via: str, now: datetime
-    ) -> None:
+    def note_retry(self, *, retry_id: str, by: str, reason: str, via: str, now: datetime) -> None:
         """A person runs this failed call again as a new operation, `retry_id`.
 
         Not by reopening this one: its failure was announced to the host as final,
@@ -1462,9 +1537,7 @@ class Operation(BaseAggregate[str]):
                 " again, and propose it anew if it really did not happen",
                 operation_id=self.id,
             )
-        self._trigger(
-            self.RetryProposed, now, retry_id=retry_id, by=by, reason=reason, via=via
-        )
+        self._trigger(self.RetryProposed, now, retry_id=retry_id, by=by, reason=reason, via=via)
 
     def request_cancel(self, *, by: str, reason: str, now: datetime) -> None:
         """Cancel: at once if nothing runs yet, by request if running, noted if too late."""

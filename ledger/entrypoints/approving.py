@@ -1,6 +1,6 @@
 """`opledger approvals approve|deny`: an approver decides over NATS, as themselves.
 
-    opledger approvals approve OP_ID --approver NAME --proposal-hash HASH
+    opledger approvals approve OP_ID --approver NAME --proposal-hash HASH [--preview-hash HASH]
     opledger approvals deny OP_ID --approver NAME [--reason TEXT]
 
 The decision travels on `ops.approve.NAME`, signed with NAME's own NKey seed
@@ -49,6 +49,13 @@ def add_decision_arguments(parser: argparse.ArgumentParser, decision: str) -> No
             metavar="HASH",
             help="the proposal hash `approvals show` showed you: the approval counts for"
             " exactly that call",
+        )
+        parser.add_argument(
+            "--preview-hash",
+            default=None,
+            metavar="HASH",
+            help="the preview hash `approvals show` showed you, for a call the tool previews:"
+            " the approval counts for exactly that effect (default: none)",
         )
     else:
         parser.add_argument(
@@ -108,7 +115,9 @@ def decide(args: argparse.Namespace, settings: Settings) -> int:
 async def _send(nc: Client, identity: Identity, args: argparse.Namespace) -> OperationStatus:
     client = ApproverClient(nc, identity.name)
     if args.decision == "approve":
-        return await client.approve(args.operation_id, proposal_hash=args.proposal_hash)
+        return await client.approve(
+            args.operation_id, proposal_hash=args.proposal_hash, preview_hash=args.preview_hash
+        )
     return await client.deny(args.operation_id, reason=args.reason)
 
 

@@ -21,9 +21,10 @@
     opledger audit export [--output FILE]
     opledger approvals list
     opledger approvals show OP_ID
-    opledger approvals approve OP_ID --approver NAME --proposal-hash HASH
+    opledger approvals approve OP_ID --approver NAME --proposal-hash HASH [--preview-hash HASH]
     opledger approvals deny OP_ID --approver NAME [--reason TEXT]
     opledger approvals approve OP_ID --break-glass --as USER --role ROLE --proposal-hash HASH
+        [--preview-hash HASH]
 
 Every command is a subcommand of one parser, and takes the global options
 (`--home`, `--database`, `--postgres-schema`, `--json`) before or after its
@@ -796,6 +797,7 @@ def approvals_approve_break_glass(ledger: Ledger, args: argparse.Namespace) -> O
         approver=args.user,
         approver_roles=args.roles,
         proposal_hash=args.proposal_hash,
+        preview_hash=args.preview_hash,
         via="break_glass",
     )
     return Output(decision_view(operation, "approved", args.user, "break_glass"), render_decision)

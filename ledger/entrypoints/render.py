@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -294,14 +295,55 @@ def render_approval(data: dict[str, Any]) -> str:
         _render_fields(fields, width=18),
         "",
         *_target_lines(data.get("targets") or [], data.get("targets_total") or 0),
+        *_preview_lines(data),
         "Arguments (exactly what will run):",
         *_argument_lines(data["arguments"], data["applied_defaults"]),
         "",
         f"Proposal hash: {data['proposal_hash']}",
     ]
+    if data.get("preview_hash"):
+        lines.append(f"Preview hash:  {data['preview_hash']}")
     if data["state"] == OperationState.AWAITING_APPROVAL.value:
         lines.extend(_decision_hints(data))
     return "\n".join(lines)
+
+
+def _preview_lines(data: dict[str, Any]) -> list[str]:
+    """The tool's own preview of the call (a dry run), when its contract asks for one."""
+    if not data.get("preview_requested"):
+        return []
+    report = data.get("preview")
+    if report is None:
+        return [
+            "What it would do: not previewed yet (the tool's executor runs a dry run",
+            "  first; an approval waits for it: show the approval again shortly)",
+            "",
+        ]
+    if "error" in report:
+        error = report["error"]
+        return [
+            f"What it would do: the tool could not preview it ({_printable(error.get('code'))}:"
+            f" {_printable(error.get('message'))}); there is no effect to approve",
+            "",
+        ]
+    lines = ["What it would do (the tool's own preview, nothing done yet):"]
+    for name, value in (report.get("effect") or {}).items():
+        if isinstance(value, str) and "\n" in value:
+            lines.append(f"  {_printable(name)}:")
+            lines.extend(f"    | {_printable(line)}" for line in value.splitlines())
+        else:
+            lines.append(f"  {_printable(name)}: {_printable(_argument_text(value))}")
+    if report.get("redactions"):
+        lines.append(f"  (changed for display: {', '.join(report['redactions'])})")
+    return [*lines, ""]
+
+
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _printable(value: Any) -> str:
+    """Text from a tool for a terminal: no escape sequences, no hidden characters."""
+    return _UNPRINTABLE.sub("\ufffd", str(value))
 
 
 def _target_lines(targets: list[dict[str, Any]], total: int) -> list[str]:
@@ -335,13 +377,21 @@ def _argument_text(value: Any) -> str:
 
 def _decision_hints(data: dict[str, Any]) -> list[str]:
     operation = data["operation_id"]
+    deny = [
+        "To deny it:",
+        f'  opledger approvals deny {operation} --approver YOUR_NAME --reason "..."',
+    ]
+    preview = data.get("preview")
+    if data.get("preview_requested") and (preview is None or "error" in preview):
+        # Nothing an approval could stand for yet (or at all): approving is refused.
+        return ["", *deny]
     return [
         "",
         "To approve exactly this call, as your approver identity:",
         f"  opledger approvals approve {operation} --approver YOUR_NAME "
-        f"--proposal-hash {data['proposal_hash']}",
-        "To deny it:",
-        f'  opledger approvals deny {operation} --approver YOUR_NAME --reason "..."',
+        f"--proposal-hash {data['proposal_hash']}"
+        + (f" --preview-hash {data['preview_hash']}" if data.get("preview_hash") else ""),
+        *deny,
     ]
 
 

@@ -126,6 +126,11 @@ def approval_view(operation: Operation) -> dict[str, Any]:
         "environment": preview.get("environment", operation.environment),
         "reason": approval.get("reason", ""),
         "proposal_hash": operation.proposal_hash,
+        # The tool's own preview of the call (a dry run on its executor), when its
+        # contract asks for one: what an approval of it is bound to besides the call.
+        "preview_requested": operation.preview_requested,
+        "preview": operation.preview,
+        "preview_hash": operation.preview_hash,
         "approver_roles": approval.get("approver_roles", []),
         "required_approvals": approval.get("required_approvals", 1),
         "approved_by": operation.approvers,

@@ -345,9 +345,7 @@ class LedgerService:
         # the ledger will hold its calls to (the host's name is not a filter: a
         # host's callers differ, their capabilities say what each may call).
         catalog = self.ledger.checker.catalog
-        capabilities = (
-            None if request.capabilities is None else frozenset(request.capabilities)
-        )
+        capabilities = None if request.capabilities is None else frozenset(request.capabilities)
         offered = offered_contracts([contract for _, contract in catalog.items()], capabilities)
         tools = [export_tool(contract, request.format) for contract in offered]
         return _reply(ToolsReply(format=request.format, tools=tools))
@@ -464,6 +462,14 @@ class LedgerService:
             except OpledgerError as error:
                 return _failed(error.to_info(), request.operation_id)
             return _reply(reply)
+        if request.preview is not None:  # the preview a `preview` answer asked for
+            try:
+                reply = await self._gateway.record_preview(
+                    request.operation_id, tool, request.executor, request.preview
+                )
+            except OpledgerError as error:
+                return _failed(error.to_info(), request.operation_id)
+            return _reply(reply)
         with tracer().start_as_current_span(
             "opledger.lease",
             kind=SpanKind.SERVER,
@@ -570,9 +576,7 @@ class LedgerService:
         if self.options.metrics_port is not None:
             metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.metrics = metrics
-        self.relay = build_relay(
-            self.gateway, nc, metrics=metrics, instance=self.options.instance
-        )
+        self.relay = build_relay(self.gateway, nc, metrics=metrics, instance=self.options.instance)
         self.relay.start()
         if self.options.redispatch_after is not None:
             self._redispatcher = Redispatcher(

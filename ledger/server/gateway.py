@@ -36,6 +36,7 @@ from schemas import (
     OperationStatus,
     OperatorRequest,
     OpledgerError,
+    PreviewReport,
     ResultEnvelope,
     ledger_operation_id,
 )
@@ -123,6 +124,16 @@ class LedgerGateway:
         result: LeaseReply = await self._enqueue("lease", (operation_id, executor, tool))
         return result
 
+    async def record_preview(
+        self, operation_id: str, tool: str, executor: str, report: PreviewReport
+    ) -> LeaseReply:
+        """Record the preview an executor ran for the approvers (unbatched: one per call)."""
+        reply = self.ledger.leasing.record_preview(
+            operation_id, tool=tool, executor=executor, report=report
+        )
+        self.written.set()
+        return reply
+
     async def check_in(self, operation_id: str, tool: str, holding: int) -> LeaseReply:
         """Answer a running executor's check-in (read only, so not batched)."""
         return self.ledger.leasing.check_in(operation_id, tool=tool, holding=holding)
@@ -132,8 +143,9 @@ class LedgerGateway:
         # Its own only: the status, asked in the host's namespace, is refused
         # (no such operation) for anyone else's, before anything is appended.
         self.ledger.status(operation_id, host=host)
-        self.ledger.cancel(ledger_operation_id(host, operation_id), by=f"host:{host}",
-                           reason=reason)
+        self.ledger.cancel(
+            ledger_operation_id(host, operation_id), by=f"host:{host}", reason=reason
+        )
         return self.ledger.status(operation_id, host=host)
 
     async def operate(self, request: OperatorRequest, operator: str) -> OperationStatus:
@@ -172,6 +184,7 @@ class LedgerGateway:
                 approver=approver,
                 approver_roles=roles,
                 proposal_hash=request.proposal_hash,
+                preview_hash=request.preview_hash,
                 via="nats",
             )
         else:
@@ -182,6 +195,7 @@ class LedgerGateway:
                 reason=request.reason,
                 via="nats",
             )
+        self.written.set()  # a call that became ready is dispatched now, not at the next poll
         return self.ledger.status(request.operation_id)
 
     async def record_many(

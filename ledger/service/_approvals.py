@@ -28,8 +28,10 @@ class Approvals:
         proposal_hash: str,
         approval_id: str | None = None,
         via: str = "",
+        preview_hash: str | None = None,
     ) -> Operation:
-        """Approve exactly the call that hashes to `proposal_hash`.
+        """Approve exactly the call that hashes to `proposal_hash` (and, for a call its
+        contract previews, whose recorded preview hashes to `preview_hash`).
 
         `approver` and `approver_roles` come from whoever authenticated the
         approver (the NATS identity and the service's configuration), never from
@@ -47,6 +49,7 @@ class Approvals:
                 proposal_hash=proposal_hash,
                 now=self._clock(),
                 via=via,
+                preview_hash=preview_hash,
             )
             return operation, refusal
 
@@ -97,6 +100,12 @@ _NEXT_STEP = {
     "expired": "the approval expired and the call will not run: the host must propose it again",
     "approval_consumed": "the call was decided already ({state})",
     "unknown_approval": "no such approval request for this operation",
+    "preview_pending": "the tool's preview of this call has not arrived yet: show the"
+    " approval again once it shows what the call would do",
+    "preview_failed": "the tool could not preview this call, so there is no effect to"
+    " approve: deny it (the host may propose it again)",
+    "preview_hash_mismatch": "the preview is not the one of this call: show the approval"
+    " again and approve the preview it shows now",
 }
 
 

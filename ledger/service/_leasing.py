@@ -7,13 +7,21 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
-from ledger.domain.errors import LedgerError, OperationNotFound
+from ledger.domain.errors import InvalidArgument, LedgerError, OperationNotFound
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
 from ledger.service._contracts import PinnedContracts
 from ledger.service._runner import CommandRunner
-from policy import ToolContract
-from schemas import LeaseDecision, LeaseReply, RuntimeContext
+from policy import DEFAULT_LIMITS, ToolContract, json_value_issue
+from schemas import (
+    PREVIEW_MAX_BYTES,
+    CanonicalizationError,
+    LeaseDecision,
+    LeaseReply,
+    PreviewReport,
+    RuntimeContext,
+    canonical_json,
+)
 
 __all__ = ["LeaseRequest", "Leasing"]
 
@@ -53,7 +61,8 @@ class Leasing:
         unknown outcome: RECONCILE (look the outcome up, never run again), but
         BUSY with `not_before` until its next lookup is due. Anything final, or
         waiting for a person (`needs_resolution`): DONE, which is how
-        redelivered work items converge.
+        redelivered work items converge. Awaiting an approval that waits for the
+        tool's preview: PREVIEW (run it and send it back, `record_preview`).
         """
         now = self._clock()
         return self._runner.batch(
@@ -96,9 +105,45 @@ class Leasing:
             reason="cancel requested" if decision is LeaseDecision.CANCEL else "",
         )
 
-    def _permission_change(
-        self, operation: Operation, contract: ToolContract | None
-    ) -> str | None:
+    def record_preview(
+        self, operation_id: str, *, tool: str | None, executor: str, report: PreviewReport
+    ) -> LeaseReply:
+        """An executor sends the preview it ran after a `preview` answer; answered DONE.
+
+        The first preview of a call awaiting approval is recorded (`PreviewRecorded`);
+        any later one converges on it and appends nothing. An operation of another
+        tool is `OperationNotFound`, as for a lease. A report that is not plain JSON
+        or is over `PREVIEW_MAX_BYTES` is refused (`InvalidArgument`) before anything
+        is stored: approvers are shown it, and the event must stay storable.
+        """
+        # The values as sent (JSON mode would write a NaN as null, and hide it).
+        issue = json_value_issue(report.effect, DEFAULT_LIMITS.max_depth) or (
+            json_value_issue(report.error.safe_details, DEFAULT_LIMITS.max_depth)
+            if report.error is not None
+            else None
+        )
+        if issue is not None:
+            raise InvalidArgument(f"the preview is not plain JSON: {issue.message}")
+        try:
+            size = len(canonical_json(report.model_dump(mode="json", exclude_none=True)))
+        except CanonicalizationError:
+            raise InvalidArgument("the preview is not plain JSON") from None
+        if size > PREVIEW_MAX_BYTES:
+            raise InvalidArgument(f"the preview is over {PREVIEW_MAX_BYTES} bytes")
+
+        def command(operation: Operation) -> tuple[Operation, LeaseReply]:
+            if tool is not None and operation.tool != tool:
+                raise OperationNotFound("no such operation", operation_id=operation.id)
+            recorded = operation.record_preview(executor=executor, report=report, now=self._clock())
+            reply = _done(operation)
+            if recorded:
+                reply = reply.model_copy(update={"reason": "preview recorded"})
+            return operation, reply
+
+        _, reply = self._runner.update(operation_id, command)
+        return reply
+
+    def _permission_change(self, operation: Operation, contract: ToolContract | None) -> str | None:
         """Why the call no longer holds under the contract in force (None: it does)."""
         if contract is None:
             current = self._contracts.get(operation.tool)
@@ -130,6 +175,15 @@ class Leasing:
             contract.timeout_ms if contract else int(self._lease_grace.total_seconds() * 1000)
         )
         lookup_ttl = timedelta(milliseconds=timeout_ms) + self._lease_grace
+        if (
+            state is OperationState.AWAITING_APPROVAL
+            and operation.preview_requested
+            and operation.preview_hash is None
+        ):
+            # A dry run for the approvers: no lease and nothing appended (it has no
+            # side effect, so two executors previewing at once is harmless).
+            reply = _lease_reply(LeaseDecision.PREVIEW, operation, None, timeout_ms)
+            return reply.model_copy(update={"attempt": 1, "lease_expires_at": None})
         if state is OperationState.READY:
             # Checked again now, not only at the proposal: the approval's window
             # and the contract in force (seed 001's permission_changed).
@@ -223,7 +277,7 @@ def _done(operation: Operation) -> LeaseReply:
 
 
 def _lease_reply(
-    decision: LeaseDecision, operation: Operation, token: int, timeout_ms: int
+    decision: LeaseDecision, operation: Operation, token: int | None, timeout_ms: int
 ) -> LeaseReply:
     lease = operation.lease
     return LeaseReply(
@@ -237,5 +291,6 @@ def _lease_reply(
         lease_expires_at=lease.expires_at if lease is not None else None,
         timeout_ms=timeout_ms,
         proposal_hash=operation.proposal_hash,
+        preview_hash=operation.preview_hash,
         context=_context(operation),
     )

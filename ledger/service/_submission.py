@@ -523,6 +523,9 @@ class Submissions:
                 reason=decision.approval.reason,
                 now=now,
             )
+            if contract.approval.preview:
+                # In the same append: the preview's work item goes out with the request.
+                operation.request_preview(now)
         return operation, decision
 
 

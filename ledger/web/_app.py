@@ -3,9 +3,10 @@
 Plain HTML forms rendered on the server (Starlette and Jinja2); no script and
 no build step. Every page needs a verified bearer token (`_auth`), from the
 `Authorization` header a proxy adds or from the session cookie the login form
-sets. An approval posts the proposal hash that was on the screen, so it counts
-for exactly the call the person saw: had the call changed, the ledger refuses
-it (`proposal_hash_mismatch`) and says so. Decisions are recorded as the
+sets. An approval posts the proposal hash that was on the screen (and, for a
+call its tool previews, the preview's hash), so it counts for exactly the call
+and the effect the person saw: had either changed, the ledger refuses it
+(`proposal_hash_mismatch`, `preview_hash_mismatch`) and says so. Decisions are recorded as the
 token's user with the roles the configuration maps their groups to, and
 `via: web`.
 """
@@ -322,7 +323,11 @@ class _Page:
                       request.path_params["operation_id"], approver.name)
             return await self._forbidden(request, approver, "You hold no approver role here.")
         operation_id = request.path_params["operation_id"]
-        if decision == "approve" and not _PROPOSAL_HASH.match(fields.get("proposal_hash", "")):
+        shown_preview = fields.get("preview_hash") or None
+        if decision == "approve" and (
+            not _PROPOSAL_HASH.match(fields.get("proposal_hash", ""))
+            or (shown_preview is not None and not _PROPOSAL_HASH.match(shown_preview))
+        ):
             return await self._render(
                 request, "message.html", 400, approver=approver, title="Not a proposal hash",
                 message="The form did not carry the proposal hash of a call: open the call"
@@ -333,6 +338,7 @@ class _Page:
                 self._ledger.approve(
                     operation_id, approver=approver.name, approver_roles=approver.roles,
                     proposal_hash=fields.get("proposal_hash", ""), via="web",
+                    preview_hash=shown_preview,
                 )
             else:
                 self._ledger.deny(

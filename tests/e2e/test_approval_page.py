@@ -33,6 +33,7 @@ from ledger.client import AgentHostClient
 from ledger.nats import connect_as, free_port
 from schemas import RuntimeContext, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
+from tests.previews import await_preview
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
 
@@ -148,6 +149,10 @@ async def _propose(stack: BackendStack) -> str:
     return reply.decision.proposal_hash or ""
 
 
+def _preview_text(browser: Any) -> str:
+    return _text(browser, "#preview")
+
+
 def _text(browser: Any, css: str) -> str:
     from selenium.webdriver.common.by import By
 
@@ -187,6 +192,8 @@ async def test_an_approver_logs_in_sees_the_effect_approves_and_it_runs(
 
     url, provider = page
     digest = await _propose(stack)
+    # The executor previews the e-mail (renders it, resolves the recipient) first.
+    shown = await await_preview(stack.ledger(), "h1/op-page")
     _log_in(browser, url, provider.token("lead-ana", ["support-leads", "staff"]))
     assert _text(browser, "#approver-name") == "lead-ana"
     queue = _text(browser, "#queue")
@@ -203,7 +210,13 @@ async def test_an_approver_logs_in_sees_the_effect_approves_and_it_runs(
     context = _text(browser, "#context")
     assert "conv-support-17" in context and "model-2026-10-01" in context
     assert "support-agent@42" in context
+    # What would be sent, as the tool itself renders it: the message and its address.
+    preview = _preview_text(browser)
+    assert "We received your request TCK-42" in preview
+    assert "customer-0001@acme.example.test" in preview
+    assert "Hello customer," in _text(browser, "#preview-body")
     assert _text(browser, "#proposal-hash") == digest
+    assert _text(browser, "#preview-hash") == shown
     assert "0 of 1" in _text(browser, "#approvals")
     shots = Path(os.environ.get("OPLEDGER_SCREENSHOT_DIR", stack.home))
     shots.mkdir(parents=True, exist_ok=True)
@@ -224,6 +237,6 @@ async def test_an_approver_logs_in_sees_the_effect_approves_and_it_runs(
     assert count_send_requests(stack.email_db, "h1/op-page") == 1
     granted = [e for e in stack.ledger().history("h1/op-page")
                if type(e).__name__ == "ApprovalGranted"]
-    assert [(e.approver, e.approver_roles, e.via) for e in granted] == [
-        ("lead-ana", ["support_lead"], "web")
+    assert [(e.approver, e.approver_roles, e.via, e.preview_hash) for e in granted] == [
+        ("lead-ana", ["support_lead"], "web", shown)
     ]

@@ -27,6 +27,7 @@ from ledger.nats import connect_as, flush_all
 from policy.catalog import CATALOG_DIR
 from schemas import ApproverRequest, RuntimeContext, Subjects, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
+from tests.previews import await_preview
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
 
@@ -72,7 +73,9 @@ def sqlite_stack(tmp_path: Path) -> Iterator[BackendStack]:
         yield running
 
 
-async def _propose(host: AgentHostClient, op: str) -> str:
+async def _propose(stack: BackendStack, host: AgentHostClient, op: str) -> tuple[str, str]:
+    """Propose an e-mail needing three approvals; its proposal hash and, once the running
+    executor has previewed it, its preview hash (what an approver is shown)."""
     proposal = ToolProposal(
         proposal_id=f"p-{op}", conversation_id="c-1", requested_by_user_id="alice",
         tool_name=EMAIL, operation_id=op,
@@ -83,7 +86,7 @@ async def _propose(host: AgentHostClient, op: str) -> str:
     assert reply.state == "awaiting_approval" and reply.decision is not None
     assert reply.decision.approval is not None
     assert reply.decision.approval.required_approvals == 3
-    return reply.decision.proposal_hash or ""
+    return reply.decision.proposal_hash or "", await await_preview(stack.ledger(), f"h1/{op}")
 
 
 class Approvers:
@@ -129,13 +132,15 @@ async def test_three_approvers_one_from_compliance_and_the_call_runs_once(
     stack.start_executor(EMAIL)
     try:
         async with Approvers(stack) as approvers:
-            digest = await _propose(host, "op-three")
+            digest, shown = await _propose(stack, host, "op-three")
             op = "h1/op-three"
             for name in ("lead-1", "lead-2", "lead-3"):
-                status = await approvers[name].approve(op, proposal_hash=digest)
+                status = await approvers[name].approve(
+                    op, proposal_hash=digest, preview_hash=shown
+                )
                 # Three people, but none from compliance: it must not run yet.
                 assert status.state == "awaiting_approval", name
-            status = await approvers["comp"].approve(op, proposal_hash=digest)
+            status = await approvers["comp"].approve(op, proposal_hash=digest, preview_hash=shown)
             assert status.state in {"ready", "executing", "succeeded"}
         outcome = await host.outcome("op-three", timeout=60)
     finally:
@@ -153,13 +158,14 @@ async def test_three_approvers_one_from_compliance_and_the_call_runs_once(
 async def test_no_role_no_decision_and_every_refusal_is_recorded(stack: BackendStack) -> None:
     nc = await connect_as(stack.server.url, stack.credentials.host("h1"))
     host = AgentHostClient(nc, "h1")
+    stack.start_executor(EMAIL)
     try:
         async with Approvers(stack) as approvers:
-            digest = await _propose(host, "op-roles")
+            digest, shown = await _propose(stack, host, "op-roles")
             op = "h1/op-roles"
             for name in ("outsider", "nobody"):
                 with pytest.raises(RequestRefused) as refused:
-                    await approvers[name].approve(op, proposal_hash=digest)
+                    await approvers[name].approve(op, proposal_hash=digest, preview_hash=shown)
                 assert refused.value.code == "APPROVAL_REFUSED"
                 assert "not_an_approver" in refused.value.message
                 # The refusal says what to do next.
@@ -196,17 +202,20 @@ async def test_an_approver_cannot_speak_as_another(sqlite_stack: BackendStack) -
 
     forger = await connect_as(stack.server.url, stack.credentials.approver("outsider"),
                               error_cb=on_error)
+    stack.start_executor(EMAIL)
     try:
         async with Approvers(stack) as approvers:
-            digest = await _propose(host, "op-forge")
+            digest, shown = await _propose(stack, host, "op-forge")
             op = "h1/op-forge"
-            body = ApproverRequest(command="approve", operation_id=op, proposal_hash=digest)
+            body = ApproverRequest(
+                command="approve", operation_id=op, proposal_hash=digest, preview_hash=shown
+            )
             inbox = forger.new_inbox()
             answers = await forger.subscribe(inbox)
             await flush_all(forger)
             forged = [forger.publish(Subjects.approve(name), body.model_dump_json().encode(),
                                      reply=inbox) for name in ("lead-1", "lead-2", "comp")]
-            legit = approvers["lead-1"].approve(op, proposal_hash=digest)
+            legit = approvers["lead-1"].approve(op, proposal_hash=digest, preview_hash=shown)
             *_, status = await asyncio.gather(*forged, legit)
             await flush_all(forger)
             assert status is not None and status.state == "awaiting_approval"
@@ -240,14 +249,16 @@ async def test_the_command_line_decides_as_the_seed_it_holds(sqlite_stack: Backe
     stack = sqlite_stack
     nc = await connect_as(stack.server.url, stack.credentials.host("h1"))
     host = AgentHostClient(nc, "h1")
+    stack.start_executor(EMAIL)
     try:
-        digest = await _propose(host, "op-cli")
+        digest, shown = await _propose(stack, host, "op-cli")
     finally:
         await host.close()
     op, url = "h1/op-cli", stack.server.url
     seed = stack.credentials.approver
     done = _cli(stack, "approvals", "approve", op, "--approver", "lead-1", "--proposal-hash",
-                digest, "--seed", str(seed("lead-1").seed_path), "--nats-url", url)
+                digest, "--preview-hash", shown, "--seed", str(seed("lead-1").seed_path),
+                "--nats-url", url)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"approve {op} as lead-1: it is now awaiting_approval\n"
     # Another approver's name with one's own seed: the broker refuses it.
@@ -261,7 +272,7 @@ async def test_the_command_line_decides_as_the_seed_it_holds(sqlite_stack: Backe
                 "--role", "compliance", "--proposal-hash", digest, "--nats-url", url)
     assert (done.returncode, done.stderr.split(":")[:2]) == (2, ["error", " INVALID_CONFIG"])
     done = _cli(stack, "approvals", "approve", op, "--break-glass", "--as", "root",
-                "--role", "compliance", "--proposal-hash", digest)
+                "--role", "compliance", "--proposal-hash", digest, "--preview-hash", shown)
     assert done.returncode == 0, done.stderr
     assert "as root (break glass) (2 of 3 approvals)" in done.stdout
     assert _decisions(stack, op) == [

@@ -20,7 +20,7 @@ from executors.samples.email import count_send_requests
 from ledger.client import AgentHostClient
 from ledger.nats import connect_as
 from policy.catalog import CATALOG_DIR
-from schemas import RuntimeContext, ToolProposal
+from schemas import PreviewReport, RuntimeContext, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -58,8 +58,14 @@ async def test_an_approval_that_lapsed_before_the_work_ran_is_not_sent(
         )
         reply = await host.propose(proposal, ALICE)
         assert reply.state == "awaiting_approval" and reply.decision is not None
+        # No executor runs to preview it: the preview is recorded as one would send it.
+        ledger.leasing.record_preview(
+            "h1/op-late", tool=None, executor="send_customer_email-x",
+            report=PreviewReport(effect={"summary": "send 1 e-mail(s)"}),
+        )
         ledger.approve("h1/op-late", approver="lead", approver_roles=["support_lead"],
-                       proposal_hash=reply.decision.proposal_hash or "")
+                       proposal_hash=reply.decision.proposal_hash or "",
+                       preview_hash=ledger.get("h1/op-late").preview_hash)
         # No executor yet (down, or busy for longer than the approval's window).
         await asyncio.sleep(APPROVAL_S + 0.5)
         stack.start_executor("send_customer_email")

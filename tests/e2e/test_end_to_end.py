@@ -36,6 +36,7 @@ from schemas import (
 )
 from tests.e2e.conftest import ACK_WAIT_S, REDISPATCH_AFTER_S, Stack
 from tests.e2e.slow_tool import SLOW_S
+from tests.previews import await_preview
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -105,7 +106,8 @@ async def test_killed_executor_converges_on_one_side_effect(stack: Stack) -> Non
         assert reply.state == "awaiting_approval"
         assert reply.decision is not None
         ledger.approve("h1/op-mail", approver="lead", approver_roles=["support_lead"],
-                       proposal_hash=reply.decision.proposal_hash or "")
+                       proposal_hash=reply.decision.proposal_hash or "",
+                       preview_hash=await await_preview(ledger, "h1/op-mail"))
         # The first executor sends, then dies before publishing or acking.
         for _ in range(100):
             if crashing.poll() is not None:

@@ -34,6 +34,7 @@ from ledger.nats import connect_as
 from policy.catalog import CATALOG_DIR
 from schemas import OperationStatus, RuntimeContext, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
+from tests.previews import await_preview
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(150)]
 
@@ -91,8 +92,10 @@ async def _send(stack: BackendStack, host: AgentHostClient, operation_id: str) -
     )
     reply = await host.propose(proposal, SUPPORT)
     assert reply.state == "awaiting_approval" and reply.decision is not None
-    stack.ledger().approve(f"h1/{operation_id}", approver="lead", approver_roles=["support_lead"],
-                           proposal_hash=reply.decision.proposal_hash or "")
+    ledger = stack.ledger()
+    ledger.approve(f"h1/{operation_id}", approver="lead", approver_roles=["support_lead"],
+                   proposal_hash=reply.decision.proposal_hash or "",
+                   preview_hash=await await_preview(ledger, f"h1/{operation_id}"))
 
 
 def _history(stack: BackendStack, operation_id: str) -> list[tuple[str, str]]:

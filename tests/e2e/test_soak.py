@@ -34,6 +34,7 @@ from ledger.client import AgentHostClient
 from ledger.nats import connect_as
 from schemas import OperationStatus, RuntimeContext, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
+from tests.previews import await_preview
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(420)]
 
@@ -99,9 +100,11 @@ async def test_soak_none_lost_none_stuck_one_send_each(stack: BackendStack) -> N
             )
             reply = await host.propose(proposal, _support(n), attempts=5)
             assert reply.decision is not None
+            shown = await await_preview(ledger, f"h1/{operation_id}", timeout=300)
             await asyncio.to_thread(
                 ledger.approve, f"h1/{operation_id}", approver="lead",
                 approver_roles=["support_lead"], proposal_hash=reply.decision.proposal_hash or "",
+                preview_hash=shown,
             )
 
         async def read(n: int) -> None:

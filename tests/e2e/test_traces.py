@@ -50,6 +50,7 @@ from schemas import (
     WorkItem,
     inbox_prefix,
 )
+from tests.previews import await_preview
 
 pytestmark = pytest.mark.nats
 
@@ -199,7 +200,9 @@ async def test_an_approved_email_is_one_trace_from_the_host_to_the_executor(
         assert reply.state == "awaiting_approval" and reply.decision is not None
         # The approver works from another trace (their own tool, hours later).
         status = await world.approver.approve(
-            "h1/mail-1", proposal_hash=reply.decision.proposal_hash or ""
+            "h1/mail-1",
+            proposal_hash=reply.decision.proposal_hash or "",
+            preview_hash=await await_preview(world.ledger, "h1/mail-1"),
         )
         assert status.state in ("ready", "executing", "succeeded"), status
         outcome = await world.host.outcome("mail-1")
@@ -259,7 +262,11 @@ async def test_a_replayed_item_and_an_idempotent_retry_run_no_tool_span(
     async with _world(tmp_path) as world:
         reply = await world.host.propose(_email("mail-2"), ALICE)
         assert reply.decision is not None
-        await world.approver.approve("h1/mail-2", proposal_hash=reply.decision.proposal_hash or "")
+        await world.approver.approve(
+            "h1/mail-2",
+            proposal_hash=reply.decision.proposal_hash or "",
+            preview_hash=await await_preview(world.ledger, "h1/mail-2"),
+        )
         assert (await world.host.outcome("mail-2")).state == "succeeded"
         # The same call again (a host retrying a lost reply): no new operation, no run.
         again = await world.host.propose(_email("mail-2"), ALICE)

@@ -61,7 +61,7 @@ def reply(
     not_before: datetime | None = None,
     context: RuntimeContext | None = None,
 ) -> LeaseReply:
-    """A lease reply of the ledger (for `execute` and `reconcile`, run for `TRUSTED`
+    """A lease reply of the ledger (for `execute`, `reconcile` and `preview`, for `TRUSTED`
     unless `context` says otherwise)."""
     return LeaseReply(
         decision=decision,
@@ -75,7 +75,9 @@ def reply(
         lease_expires_at=lease_expires_at,
         not_before=not_before,
         context=context or (
-            TRUSTED if decision in (LeaseDecision.EXECUTE, LeaseDecision.RECONCILE) else None
+            TRUSTED
+            if decision in (LeaseDecision.EXECUTE, LeaseDecision.RECONCILE, LeaseDecision.PREVIEW)
+            else None
         ),
     )
 

@@ -9,7 +9,7 @@ from ledger import Ledger, StorageConfig, build_ledger
 from ledger.audit.seal import SealKey
 from policy import ContractRegistry, InMemoryTargetResolver
 from policy.catalog import SAMPLE_RULES, sample_targets
-from schemas import Provenance, ResultEnvelope, RuntimeContext, ToolProposal
+from schemas import PreviewReport, Provenance, ResultEnvelope, RuntimeContext, ToolProposal
 
 ALICE = RuntimeContext(
     principal="alice",
@@ -64,6 +64,25 @@ def email(operation_id: str | None = None, recipients: tuple[str, ...] = ("cus-0
          "variables": {"ticket_id": "TCK-42"}, "body": "Thanks for writing to us."},
         operation_id=operation_id,
     )
+
+
+EMAIL_PREVIEW = PreviewReport(
+    effect={
+        "summary": "send 1 e-mail(s): We received your request TCK-42",
+        "recipients": [{"customer_id": "cus-0001", "address": "customer-0001@acme.example.test"}],
+        "reversible": False,
+    }
+)
+"""What the e-mail executor's preview reports, roughly (the ledger stores any JSON object)."""
+
+
+def previewed(ledger: Ledger, operation_id: str, report: PreviewReport = EMAIL_PREVIEW) -> str:
+    """The preview of a call awaiting approval, recorded as its executor would send it after
+    a `preview` lease answer; returns the digest an approval of it names."""
+    ledger.leasing.record_preview(operation_id, tool=None, executor="exec-p", report=report)
+    digest = ledger.get(operation_id).preview_hash
+    assert digest is not None
+    return digest
 
 
 NO_HITS: dict[str, Any] = {"items": [], "truncated": False, "next_cursor": None}

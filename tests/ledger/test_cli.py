@@ -19,7 +19,7 @@ from ledger.entrypoints.cli import main
 from ledger.nats import generate_credentials
 from policy import InMemoryTargetResolver
 from policy.catalog import SAMPLE_RULES, sample_targets
-from schemas import RuntimeContext, ToolProposal
+from schemas import PreviewReport, RuntimeContext, ToolProposal
 from tests.ledger.helpers import ALICE as HELPER_ALICE
 from tests.ledger.helpers import NEXT_STEP, email, make_ledger
 
@@ -79,16 +79,32 @@ def ledger_ids(home: Path) -> Iterator[dict[str, str]]:
             _proposal("send_customer_email", EMAIL_ARGUMENTS, "op-email"), ALICE
         )
         assert (search.state.value, email.state.value) == ("ready", "awaiting_approval")
+        # The e-mail's executor previewed it (its contract asks for that first).
+        ledger.leasing.record_preview(
+            "op-email", tool=None, executor="send_customer_email-1", report=EMAIL_PREVIEW
+        )
         ledger.refresh()
         operation = ledger.get("op-email")
         assert operation.approval is not None and operation.proposal_hash is not None
+        assert operation.preview_hash is not None
         yield {
             "proposal_hash": operation.proposal_hash,
+            "preview_hash": operation.preview_hash,
             "approval_id": operation.approval.approval_id,
             "events_table": ledger.events_table,
         }
     finally:
         ledger.close()
+
+
+EMAIL_PREVIEW = PreviewReport(
+    effect={
+        "summary": "send 1 e-mail(s): We received your request TCK-42",
+        "body": "Hello customer,\n\nThanks for writing to us.\n\nWe received your request TCK-42",
+        "recipients": [{"customer_id": "cus-0001", "address": "customer-0001@acme.example.test"}],
+    }
+)
+"""What the e-mail's executor previews for `op-email` (its contract asks for a preview)."""
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -196,7 +212,7 @@ def test_ops_show_prints_key_fields_and_the_timeline(
 
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0] == "Operation op-email (version 3)"
+    assert lines[0] == "Operation op-email (version 5)"
     fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
               for line in lines[1:lines.index("")]}
     assert fields["state"] == "awaiting_approval"
@@ -211,11 +227,15 @@ def test_ops_show_prints_key_fields_and_the_timeline(
     timeline = lines[lines.index("Timeline") + 1:]
     assert timeline[0].split() == ["VERSION", "TYPE", "TIME", "(UTC)", "SUMMARY"]
     assert [row.split()[:2] for row in timeline[1:]] == [
-        ["1", "Proposed"], ["2", "Validated"], ["3", "ApprovalRequested"]
+        ["1", "Proposed"], ["2", "Validated"], ["3", "ApprovalRequested"],
+        ["4", "PreviewRequested"], ["5", "PreviewRecorded"],
     ]
     assert timeline[1].endswith("alice proposed send_customer_email (acme, development)")
     assert f"proposal {ledger_ids['proposal_hash'][:12]}" in timeline[2]
     assert f"approval {ledger_ids['approval_id']} requested: 1 from support_lead" in timeline[3]
+    assert timeline[5].endswith(
+        f"previewed by send_customer_email-1, preview {ledger_ids['preview_hash'][:12]}"
+    )
 
 
 def test_ops_show_as_of_replays_to_that_version(
@@ -236,7 +256,7 @@ def test_ops_show_as_of_replays_to_that_version(
     assert current["state"] == "awaiting_approval"
     assert current["approval"]["effect_preview"]["effect"] == "irreversible_write"
     assert current["approval"]["approver_roles"] == ["support_lead"]
-    assert len(current["timeline"]) == 3
+    assert len(current["timeline"]) == 5
 
 
 def test_ops_show_as_of_a_version_that_does_not_exist_is_an_error(
@@ -247,7 +267,7 @@ def test_ops_show_as_of_a_version_that_does_not_exist_is_an_error(
 
     assert (code, out) == (2, "")
     assert err == (
-        "error: OPERATION_NOT_FOUND: the operation has no version 9; its latest is 3"
+        "error: OPERATION_NOT_FOUND: the operation has no version 9; its latest is 5"
         " (operation_id=op-email)\n"
     )
 
@@ -283,9 +303,9 @@ def test_audit_verify_reports_counts_and_exits_0(
     assert (code, err) == (0, "")
     fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
               for line in out.splitlines() if line.startswith("  ")}
-    assert fields["events checked"] == "6"
+    assert fields["events checked"] == "8"
     assert fields["operations checked"] == "2"
-    assert fields["sealed events"] == "6"
+    assert fields["sealed events"] == "8"
     assert fields["unsealed events"] == "0"
     assert fields["past signed head"] == "0"
     assert fields["signed head"].startswith("#")
@@ -364,18 +384,23 @@ def test_audit_export_writes_one_json_line_per_event(
     code, out, err = _run(capsys, "audit", "export", "--output", str(target))
 
     assert (code, out) == (0, "")
-    assert err == f"exported 6 events to {target}\n"
+    assert err == f"exported 8 events to {target}\n"
     records = [json.loads(line) for line in target.read_text().splitlines()]
-    assert len(records) == 6
+    assert len(records) == 8
     assert [(r["operation_id"], r["version"], r["type"]) for r in records] == [
         ("op-search", 1, "Proposed"), ("op-search", 2, "Validated"), ("op-search", 3, "Readied"),
         ("op-email", 1, "Proposed"), ("op-email", 2, "Validated"),
-        ("op-email", 3, "ApprovalRequested"),
+        ("op-email", 3, "ApprovalRequested"), ("op-email", 4, "PreviewRequested"),
+        ("op-email", 5, "PreviewRecorded"),
     ]
     assert all(len(record["event_hash"]) == 64 for record in records)
     # send_customer_email marks /body sensitive: the export carries its hash only.
     assert set(records[4]["event"]["arguments"]["body"]) == {"sha256"}
+    # and the tool's preview, which renders the body into its text, is hashed whole.
+    assert set(records[7]["event"]["report"]) == {"sha256"}
     assert "Thanks for writing" not in target.read_text()
+    # nor the addresses the executor resolved, which the ledger never had otherwise.
+    assert "customer-0001@acme.example.test" not in target.read_text()
 
 
 def test_audit_export_defaults_to_stdout(
@@ -385,9 +410,10 @@ def test_audit_export_defaults_to_stdout(
     code, out, err = _run(capsys, "audit", "export")
 
     assert code == 0
-    assert err == "exported 6 events to stdout\n"
+    assert err == "exported 8 events to stdout\n"
     assert [json.loads(line)["type"] for line in out.splitlines()] == [
-        "Proposed", "Validated", "Readied", "Proposed", "Validated", "ApprovalRequested"
+        "Proposed", "Validated", "Readied", "Proposed", "Validated", "ApprovalRequested",
+        "PreviewRequested", "PreviewRecorded",
     ]
 
 
@@ -456,8 +482,19 @@ def test_approvals_show_explains_the_effect_for_people(
     assert f"Proposal hash: {ledger_ids['proposal_hash']}" in out
     assert (
         f"approve op-email --approver YOUR_NAME --proposal-hash {ledger_ids['proposal_hash']}"
+        f" --preview-hash {ledger_ids['preview_hash']}"
         in out
     )
+    # What would be sent, as the tool itself renders it (its preview), before the arguments.
+    assert (
+        "What it would do (the tool's own preview, nothing done yet):\n"
+        "  summary: send 1 e-mail(s): We received your request TCK-42\n"
+        "  body:\n"
+        "    | Hello customer,\n"
+        "    | \n"
+        "    | Thanks for writing to us.\n"
+    ) in out
+    assert f"Preview hash:  {ledger_ids['preview_hash']}" in out
     # Whom it reaches, as the host's systems name them, not only `cus-0001`.
     assert "It acts on:\n  customer cus-0001: Alice\n" in out
 
@@ -470,6 +507,8 @@ def test_approvals_show_explains_the_effect_for_people(
     assert data["arguments"] == EMAIL_ARGUMENTS
     assert data["approver_roles"] == ["support_lead"]
     assert data["proposal_hash"] == ledger_ids["proposal_hash"]
+    assert data["preview"] == EMAIL_PREVIEW.model_dump(mode="json", exclude_none=True)
+    assert data["preview_hash"] == ledger_ids["preview_hash"] == EMAIL_PREVIEW.digest()
 
 
 def test_approvals_show_of_an_operation_without_approval_is_an_error(
@@ -506,6 +545,23 @@ def test_approve_with_the_wrong_hash_is_refused(
     )
 
 
+def test_approve_without_the_preview_shown_is_refused_with_what_to_do(
+    ledger_ids: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = _run(
+        capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "bob",
+        "--role", "support_lead", "--proposal-hash", ledger_ids["proposal_hash"],
+    )
+
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        "error: APPROVAL_REFUSED: approval refused: preview_hash_mismatch (the preview is not"
+        " the one of this call: show the approval again and approve the preview it shows now)"
+    )
+    assert _json(capsys, "ops", "show", "op-email")["state"] == "awaiting_approval"
+
+
 def test_the_requester_cannot_approve_their_own_call(
     ledger_ids: dict[str, str],
     capsys: pytest.CaptureFixture[str],
@@ -514,6 +570,7 @@ def test_the_requester_cannot_approve_their_own_call(
         capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "alice",
         "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
+        "--preview-hash", ledger_ids["preview_hash"],
     )
 
     assert code == 2
@@ -528,6 +585,7 @@ def test_approve_with_the_right_hash_by_another_user_makes_it_ready(
         capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "bob",
         "--role", "support_lead",
         "--role", "auditor", "--proposal-hash", ledger_ids["proposal_hash"],
+        "--preview-hash", ledger_ids["preview_hash"],
     )
 
     assert (code, err) == (0, "")
@@ -550,6 +608,7 @@ def test_approve_json_reports_the_new_state(
         capsys, "approvals", "approve", "op-email", "--break-glass", "--as", "bob",
         "--role", "support_lead",
         "--proposal-hash", ledger_ids["proposal_hash"],
+        "--preview-hash", ledger_ids["preview_hash"],
     )
 
     assert data == {

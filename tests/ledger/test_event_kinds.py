@@ -11,7 +11,7 @@ from ledger import IllegalTransition, Operation, OperationState
 from ledger.domain.event_kinds import EVENT_KINDS, event_kind, event_types
 from ledger.domain.operation import ALLOWED
 from ledger.domain.states import TERMINAL_STATES
-from schemas import WorkPurpose
+from schemas import PreviewReport, WorkPurpose
 from tests.ledger.test_state_machine import BUILDERS, COMMANDS, T0
 
 
@@ -44,6 +44,12 @@ def _walks() -> Iterator[Operation]:
         now=T0,
     )
     yield refused
+    previewed = BUILDERS[OperationState.AWAITING_APPROVAL]()
+    previewed.request_preview(T0)
+    previewed.record_preview(
+        executor="e", report=PreviewReport(effect={"summary": "send 1 e-mail"}), now=T0
+    )
+    yield previewed
     unknown = BUILDERS[OperationState.EXECUTING]()
     unknown.record_result(fencing_token=1, executor="e", outcome="unknown", now=T0)
     yield unknown
@@ -97,7 +103,9 @@ def test_the_registry_states_agree_with_the_aggregate_for_every_event() -> None:
                 OperationState.READY
             )
             expected = (
-                WorkPurpose.EXECUTE
+                WorkPurpose.PREVIEW
+                if isinstance(event, Operation.PreviewRequested)
+                else WorkPurpose.EXECUTE
                 if became_ready
                 else WorkPurpose.RECONCILE
                 if replayed.state is OperationState.OUTCOME_UNKNOWN

@@ -22,15 +22,25 @@ from ledger import (
     Submission,
 )
 from ledger.adapters.results import ResultStore
+from ledger.domain.errors import InvalidArgument
 from policy import ContractRegistry
 from policy.catalog import CATALOG_DIR
-from schemas import DecisionOutcome, LeaseDecision, ToolProposal
+from schemas import (
+    DecisionOutcome,
+    ErrorCategory,
+    ErrorInfo,
+    LeaseDecision,
+    PreviewReport,
+    ToolProposal,
+)
 from tests.ledger.helpers import (
     ALICE,
+    EMAIL_PREVIEW,
     NO_HITS,
     email,
     event_types,
     make_ledger,
+    previewed,
     proposal,
     registry_with_limit,
     result,
@@ -149,19 +159,107 @@ def test_approval_is_bound_to_the_proposal_hash(ledger: Ledger) -> None:
     preview = operation.approval.effect_preview
     assert preview["arguments"]["recipient_ids"] == ["cus-0001"]
     assert preview["reversible"] is False
+    shown = previewed(ledger, "mail-1")
     with pytest.raises(ApprovalRefused, match="proposal_hash_mismatch"):
         ledger.approve("mail-1", approver="lead", approver_roles=["support_lead"],
-                       proposal_hash="0" * 64)
+                       proposal_hash="0" * 64, preview_hash=shown)
     with pytest.raises(ApprovalRefused, match="requester_cannot_approve"):
         ledger.approve("mail-1", approver="alice", approver_roles=["support_lead"],
-                       proposal_hash=preview["proposal_hash"])
+                       proposal_hash=preview["proposal_hash"], preview_hash=shown)
     ledger.approve("mail-1", approver="lead", approver_roles=["support_lead"],
-                   proposal_hash=preview["proposal_hash"])
+                   proposal_hash=preview["proposal_hash"], preview_hash=shown)
     assert ledger.get("mail-1").state is S.READY
     with pytest.raises(ApprovalRefused, match="approval_consumed"):
         ledger.approve("mail-1", approver="lead2", approver_roles=["support_lead"],
-                       proposal_hash=preview["proposal_hash"])
+                       proposal_hash=preview["proposal_hash"], preview_hash=shown)
     assert event_types(ledger, "mail-1").count("ApprovalRefused") == 3
+
+
+def test_a_previewed_call_is_approved_only_for_the_preview_shown(ledger: Ledger) -> None:
+    """Before: an approver approved a template name and customer IDs. Now the contract's
+    preview comes first, the approval names its digest, and the lease hands it on."""
+    ledger.submit(email("mail-p"), ALICE)
+    operation = ledger.get("mail-p")
+    assert operation.preview_requested and operation.preview_hash is None
+    proposal_hash = operation.proposal_hash
+    assert proposal_hash is not None
+    lead = {"approver": "lead", "approver_roles": ["support_lead"]}
+    # Nothing to approve yet: the approver has not seen what the call would do.
+    with pytest.raises(ApprovalRefused, match="preview_pending"):
+        ledger.approve("mail-p", proposal_hash=proposal_hash, **lead)
+    version = ledger.get("mail-p").version
+    asked = ledger.lease("mail-p", executor="exec-p", tool="send_customer_email")
+    assert asked.decision is LeaseDecision.PREVIEW
+    assert asked.arguments == operation.arguments and asked.fencing_token is None
+    assert asked.context is not None and asked.context.tenant == "acme"
+    assert ledger.get("mail-p").version == version  # nothing appended
+    # Another tool's executor learns nothing of it.
+    with pytest.raises(OperationNotFound):
+        ledger.leasing.record_preview("mail-p", tool="search_documents", executor="x",
+                                      report=EMAIL_PREVIEW)
+    shown = previewed(ledger, "mail-p")
+    # A second preview (another executor, a redelivery) never replaces the first.
+    other = PreviewReport(effect={"summary": "send 1 e-mail(s) to someone else"})
+    answer = ledger.leasing.record_preview("mail-p", tool="send_customer_email",
+                                           executor="exec-q", report=other)
+    assert answer.decision is LeaseDecision.DONE
+    assert ledger.get("mail-p").preview_hash == shown == EMAIL_PREVIEW.digest()
+    assert event_types(ledger, "mail-p").count("PreviewRecorded") == 1
+    # An approval of another preview, or of none, is refused and recorded.
+    for wrong in (other.digest(), None):
+        with pytest.raises(ApprovalRefused, match="preview_hash_mismatch"):
+            ledger.approve("mail-p", proposal_hash=proposal_hash, preview_hash=wrong, **lead)
+    ledger.approve("mail-p", proposal_hash=proposal_hash, preview_hash=shown, **lead)
+    granted = [e for e in ledger.history("mail-p") if type(e).__name__ == "ApprovalGranted"]
+    assert [e.preview_hash for e in granted] == [shown]
+    lease = ledger.lease("mail-p", executor="exec-1", tool="send_customer_email")
+    assert lease.decision is LeaseDecision.EXECUTE and lease.preview_hash == shown
+    # Once decided, a preview changes nothing.
+    ledger.leasing.record_preview("mail-p", tool=None, executor="exec-q", report=other)
+    assert ledger.get("mail-p").preview_hash == shown
+
+
+def test_a_call_the_tool_could_not_preview_cannot_be_approved(ledger: Ledger) -> None:
+    """Before: the digest of a failed preview was approvable, and the same failure at the
+    run matched it. Now there is no effect to approve: refused, and deniable."""
+    ledger.submit(email("mail-f"), ALICE)
+    proposal_hash = ledger.get("mail-f").proposal_hash or ""
+    failed = PreviewReport(error=ErrorInfo(
+        code="PREVIEW_UNSUPPORTED", category=ErrorCategory.INTERNAL, message="no preview"
+    ))
+    shown = previewed(ledger, "mail-f", failed)
+    # Someone without the role learns nothing of the preview: the role is checked first.
+    with pytest.raises(ApprovalRefused, match="not_an_approver"):
+        ledger.approve("mail-f", approver="eve", approver_roles=["data_steward"],
+                       proposal_hash=proposal_hash, preview_hash="0" * 64)
+    with pytest.raises(ApprovalRefused, match="preview_failed"):
+        ledger.approve("mail-f", approver="lead", approver_roles=["support_lead"],
+                       proposal_hash=proposal_hash, preview_hash=shown)
+    ledger.deny("mail-f", approver="lead", approver_roles=["support_lead"], reason="no preview")
+    assert ledger.get("mail-f").state is S.APPROVAL_DENIED
+
+
+def test_a_preview_that_cannot_be_stored_or_shown_is_refused_before_storing(
+    ledger: Ledger,
+) -> None:
+    ledger.submit(email("mail-big"), ALICE)
+    before = ledger.get("mail-big").version
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(40):
+        node["x"] = {}
+        node = node["x"]
+    for effect in ({"body": "x" * (70 * 1024)}, deep, {"n": 2**70}, {"f": float("nan")}):
+        with pytest.raises(InvalidArgument):
+            ledger.leasing.record_preview("mail-big", tool=None, executor="e",
+                                          report=PreviewReport(effect=effect))
+    # What an error carries is checked as well.
+    deep_details = PreviewReport(error=ErrorInfo(
+        code="X", category=ErrorCategory.INTERNAL, message="m", safe_details=deep
+    ))
+    with pytest.raises(InvalidArgument):
+        ledger.leasing.record_preview("mail-big", tool=None, executor="e", report=deep_details)
+    assert ledger.get("mail-big").version == before
 
 
 def _refund(operation_id: str, amount_cents: int) -> ToolProposal:
@@ -344,8 +442,11 @@ def test_budget_holds_within_one_batch(storage: StorageConfig) -> None:
 
 def test_export_hashes_sensitive_arguments(ledger: Ledger) -> None:
     ledger.submit(email("mail-1"), ALICE)
+    # The tool's preview renders the sensitive body into its text: hashed whole.
+    rendered = PreviewReport(effect={"body": "Hello,\n\nThanks for writing to us.\n\nTCK-42"})
+    previewed(ledger, "mail-1", rendered)
     out = io.BytesIO()
-    assert ledger.export(out) == 3
+    assert ledger.export(out) == 5
     text = out.getvalue().decode()
     assert "Thanks for writing to us." not in text
     assert "TCK-42" not in text
@@ -355,7 +456,11 @@ def test_export_hashes_sensitive_arguments(ledger: Ledger) -> None:
     assert proposed["recipient_ids"] == ["cus-0001"]
     assert records[1]["event"]["arguments"]["body"] == proposed["body"]
     assert records[2]["event"]["effect_preview"]["arguments"]["body"] == proposed["body"]
-    assert [r["type"] for r in records] == ["Proposed", "Validated", "ApprovalRequested"]
+    assert [r["type"] for r in records] == [
+        "Proposed", "Validated", "ApprovalRequested", "PreviewRequested", "PreviewRecorded"
+    ]
+    assert set(records[4]["event"]["report"]) == {"sha256"}
+    assert records[4]["event"]["preview_hash"] == rendered.digest()
     assert records[1]["prev_hash"] == records[0]["event_hash"]
 
 
@@ -576,7 +681,8 @@ def _approved_email(ledger: Ledger, operation_id: str) -> None:
     approval = ledger.get(operation_id).approval
     assert approval is not None
     ledger.approve(operation_id, approver="lead", approver_roles=["support_lead"],
-                   proposal_hash=approval.effect_preview["proposal_hash"])
+                   proposal_hash=approval.effect_preview["proposal_hash"],
+                   preview_hash=previewed(ledger, operation_id))
 
 
 def test_an_approval_that_lapsed_before_the_lease_is_not_run(storage: StorageConfig) -> None:

@@ -60,13 +60,13 @@ def test_a_view_only_edit_is_named_by_verify_and_repaired_by_rebuild(
     code, out, _ = cli(capsys, "audit", "verify", *TRUST)
     assert code == 1
     assert (
-        "view_mismatch: op-mail v4: state is 'succeeded', the events say 'approval_denied';"
+        "view_mismatch: op-mail v5: state is 'succeeded', the events say 'approval_denied';"
         " attempts is 1, the events say 0"
     ) in out
 
     code, out, err = cli(capsys, "ops", "rebuild")
     assert (code, err) == (0, "")
-    assert out == "rebuilt the operations view from 7 events\n"
+    assert out == "rebuilt the operations view from 8 events\n"
     assert _state_of(cli_json(capsys, "ops", "list"), "op-mail") == "approval_denied"
     assert cli_json(capsys, "audit", "verify", *TRUST)["ok"] is True
 

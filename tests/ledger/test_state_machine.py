@@ -183,6 +183,7 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
         reason="r",
         now=T0,
     ),
+    "request_preview": lambda op: op.request_preview(T0),
     "mark_ready": lambda op: op.mark_ready(T0),
     "ask_clarification": lambda op: op.ask_clarification(
         question="Which one?", issues=[{"code": "TARGET_AMBIGUOUS"}], tool_version=None, now=T0
@@ -233,6 +234,7 @@ EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.VALIDATED, "mark_ready"): S.READY,
     (S.VALIDATED, "request_cancel"): S.CANCELLED,
     (S.AWAITING_APPROVAL, "grant_approval"): S.READY,
+    (S.AWAITING_APPROVAL, "request_preview"): S.AWAITING_APPROVAL,  # a fact, not a state
     (S.AWAITING_APPROVAL, "deny_approval"): S.APPROVAL_DENIED,
     (S.AWAITING_APPROVAL, "expire_approval"): S.APPROVAL_EXPIRED,
     (S.AWAITING_APPROVAL, "request_cancel"): S.CANCELLED,
@@ -292,7 +294,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 16 * 20
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 16 * 21
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])

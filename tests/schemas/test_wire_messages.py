@@ -45,6 +45,7 @@ from schemas import (
     LeaseReply,
     LeaseRequest,
     OperationStatus,
+    PreviewReport,
     Provenance,
     ResultEnvelope,
 )
@@ -53,6 +54,7 @@ from tests.ledger.helpers import make_ledger
 pytestmark = pytest.mark.anyio
 
 HOST = "h1"
+EMAIL = "send_customer_email"
 APPROVER = "bob"
 OPERATOR = "ops1"
 ALICE: dict[str, Any] = {
@@ -299,11 +301,20 @@ async def stack(tmp_path: Path, wire: Wire) -> AsyncIterator[Stack]:
 async def _approve(stack: Stack, operation_id: str) -> Any:
     reply = await stack.propose(operation_id, "send_customer_email", EMAIL_ARGUMENTS)
     assert reply["state"] == "awaiting_approval", reply
+    # The e-mail's contract asks for the tool's preview first: the executor runs it
+    # and sends it back, and the approval names its digest.
+    ledger_id = f"{HOST}/{operation_id}"
+    asked = await stack.lease({"operation_id": ledger_id, "executor": "exec-m1"}, tool=EMAIL)
+    assert asked["decision"] == "preview" and asked["arguments"], asked
+    report = {"effect": {"summary": "send 1 e-mail(s)", "recipients": ["cus-0001"]}}
+    sent = {"operation_id": ledger_id, "executor": "exec-m1", "preview": report}
+    assert (await stack.lease(sent, tool=EMAIL))["decision"] == "done"
     return await stack.decide(
         {
             "command": "approve",
-            "operation_id": f"{HOST}/{operation_id}",
+            "operation_id": ledger_id,
             "proposal_hash": reply["decision"]["proposal_hash"],
+            "preview_hash": PreviewReport.model_validate(report).digest(),
         }
     )
 
@@ -491,7 +502,7 @@ async def test_the_scenario_covers_every_message_state_and_decision(
     }
     assert {s["cancel"] for s in statuses} == {None, "requested", "too_late"}
     assert {r["decision"] for r in wire.of("lease-reply")} == {d.value for d in LeaseDecision}
-    assert {w["purpose"] for w in wire.of("work-item")} == {"execute", "reconcile"}
+    assert {w["purpose"] for w in wire.of("work-item")} == {"execute", "reconcile", "preview"}
     outcomes = [
         m for m in wire.of("operation-status") if m["final"] or m["state"] == "needs_resolution"
     ]

@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from ledger import StorageConfig
 from ledger.nats import free_port
 from ledger.web import SESSION_COOKIE, TokenSettings, TokenVerifier, WebOptions, build_web_app
-from tests.ledger.helpers import ALICE, email, make_ledger
+from schemas import ErrorCategory, ErrorInfo, PreviewReport
+from tests.ledger.helpers import ALICE, email, make_ledger, previewed
 
 ISSUER, AUDIENCE = "https://idp.test", "opledger-approvals"
 OP = "op-mail"
@@ -96,14 +97,25 @@ class Server:
         self._thread.join(10)
 
 
+PREVIEW = PreviewReport(effect={
+    "summary": "send 1 e-mail(s): We received your request TCK-42",
+    # What a tool renders can carry what the host sent: shown as text, never as markup.
+    "body": "Hello <b onmouseover=alert(1)>customer</b>,\n\nWe received your request",
+    "recipients": [{"customer_id": "cus-0001", "address": "customer-0001@acme.example.test"}],
+})
+"""The e-mail executor's preview of the call (its contract asks for one before approval)."""
+
+
 @pytest.fixture
 def page(tmp_path: Path) -> Iterator[tuple[Server, str]]:
-    """A ledger with one e-mail awaiting approval, the page over it, and that call's hash."""
+    """A ledger with one e-mail awaiting approval (previewed), the page over it, and that
+    call's hash."""
     path = tmp_path / "ledger.db"
     ledger = make_ledger(StorageConfig.sqlite(path))
     submission = ledger.submit(email(OP), ALICE)
     assert submission.decision is not None
     digest = submission.decision.proposal_hash or ""
+    previewed(ledger, OP, PREVIEW)
     ledger.close()
     with Server(path) as server:
         yield server, digest
@@ -135,8 +147,10 @@ def _csrf(client: httpx.Client, path: str) -> str:
     return html[start:html.index('"', start)]
 
 
-def _approve(client: httpx.Client, digest: str, csrf: str, **headers: str) -> httpx.Response:
-    return client.post(f"/approve/{OP}", data={"csrf": csrf, "proposal_hash": digest},
+def _approve(client: httpx.Client, digest: str, csrf: str, *, preview: str = PREVIEW.digest(),
+             **headers: str) -> httpx.Response:
+    form = {"csrf": csrf, "proposal_hash": digest, "preview_hash": preview}
+    return client.post(f"/approve/{OP}", data=form,
                        headers={"Origin": str(client.base_url).rstrip("/"), **headers})
 
 
@@ -217,6 +231,67 @@ def test_an_approval_counts_for_the_hash_on_the_screen_only(page: tuple[Server, 
         assert "proposal_hash_mismatch" in response.text
         assert "show the approval again" in response.text  # what to do next
     assert _history(server) == [("ApprovalRefused", "lead-ana", "proposal_hash_mismatch", "web")]
+
+
+def test_an_approval_counts_for_the_preview_on_the_screen_only(
+    page: tuple[Server, str],
+) -> None:
+    server, digest = page
+    other = PreviewReport(effect={**(PREVIEW.effect or {}), "recipients": []}).digest()
+    with _client(server, token()) as client:
+        html = client.get(f"/approvals/{OP}").text
+        assert f'name="preview_hash" value="{PREVIEW.digest()}"' in html
+        # The rendered message is on the screen, as text.
+        assert "We received your request" in html and "customer-0001@acme.example.test" in html
+        assert "<b onmouseover" not in html and "&lt;b onmouseover=alert(1)&gt;" in html
+        csrf = _csrf(client, f"/approvals/{OP}")
+        for shown, status in ((other, 409), ("", 409), ("not-a-digest", 400)):
+            response = _approve(client, digest, csrf, preview=shown)
+            assert response.status_code == status, (shown, response.text)
+        assert "preview_hash_mismatch" in _approve(client, digest, csrf, preview=other).text
+    assert [row[2] for row in _history(server)] == ["preview_hash_mismatch"] * 3
+
+
+def _awaiting(path: Path, report: PreviewReport | None) -> tuple[str, str]:
+    """An e-mail awaiting approval in a new ledger at `path`, previewed with `report`
+    (None: not yet); its proposal hash and preview hash ("" without one)."""
+    ledger = make_ledger(StorageConfig.sqlite(path))
+    try:
+        submission = ledger.submit(email(OP), ALICE)
+        assert submission.decision is not None
+        digest = submission.decision.proposal_hash or ""
+        return digest, previewed(ledger, OP, report) if report is not None else ""
+    finally:
+        ledger.close()
+
+
+def test_a_call_not_previewed_yet_cannot_be_approved(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    digest, _ = _awaiting(path, None)
+    with Server(path) as server, _client(server, token()) as client:
+        html = client.get(f"/approvals/{OP}").text
+        assert 'id="preview-pending"' in html
+        assert 'id="approve" class="approve" disabled' in html
+        # A form posted anyway (an old tab, a crafted post) is refused, and recorded.
+        response = _approve(client, digest, _csrf(client, f"/approvals/{OP}"), preview="")
+        assert response.status_code == 409 and "preview_pending" in response.text
+        assert _history(server) == [("ApprovalRefused", "lead-ana", "preview_pending", "web")]
+
+
+def test_a_call_the_tool_could_not_preview_can_only_be_denied(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    failed = PreviewReport(error=ErrorInfo(
+        code="RECIPIENT_NOT_FOUND", category=ErrorCategory.NOT_FOUND,
+        message="a recipient does not exist",
+    ))
+    digest, shown = _awaiting(path, failed)
+    with Server(path) as server, _client(server, token()) as client:
+        html = client.get(f"/approvals/{OP}").text
+        assert 'id="preview-error"' in html and "RECIPIENT_NOT_FOUND" in html
+        assert 'id="approve" class="approve" disabled' in html
+        response = _approve(client, digest, _csrf(client, f"/approvals/{OP}"), preview=shown)
+        assert response.status_code == 409 and "preview_failed" in response.text
+        assert _history(server) == [("ApprovalRefused", "lead-ana", "preview_failed", "web")]
 
 
 def test_a_group_nobody_mapped_carries_no_role_and_sees_nothing(

@@ -34,6 +34,7 @@ from schemas import (
     context_from_traceparent,
     feed_message_id,
     host_operation_id,
+    preview_message_id,
     trace_headers,
     tracer,
     work_message_id,
@@ -159,9 +160,11 @@ def messages_for(
             RelayMessage(
                 Subjects.work(tool),
                 item.model_dump_json().encode(),
-                # One dispatch event per attempt (and per lookup of its outcome),
-                # so one work item each.
-                work_message_id(operation_id, item.attempt, item.lookup),
+                # One dispatch event per attempt (and per lookup of its outcome, and
+                # one preview per call), so one work item each.
+                preview_message_id(operation_id)
+                if item.purpose is WorkPurpose.PREVIEW
+                else work_message_id(operation_id, item.attempt, item.lookup),
                 headers=dispatch_headers(item, trace_parent),
             )
         )
@@ -212,6 +215,8 @@ def _work_item(
 ) -> WorkItem:
     if purpose is WorkPurpose.EXECUTE:
         attempt, lookup = int(event.get("after_attempt", 0)) + 1, 0
+    elif purpose is WorkPurpose.PREVIEW:
+        attempt, lookup = 1, 0  # before any attempt: the first one is what it previews
     else:
         # The first lookup after the outcome became unknown, or the next one after
         # an inconclusive lookup. Events stored before they named their attempt
