@@ -222,12 +222,111 @@ def _cpu_split(_value: str) -> None:
     atexit.register(report)
 
 
+def _pg_statements(_value: str) -> None:
+    """Service: count the PostgreSQL statements each ledger and relay step sends.
+
+    For diagnosis of round trips per operation: every `execute`, `executemany`
+    and commit of psycopg is counted under the step running on that thread
+    (the wrappers of `cpu-split`'s steps), by the statement's first words; at
+    exit the totals go to stderr. Nothing is changed in what is sent.
+    """
+    import atexit
+    import functools
+
+    import psycopg
+
+    from ledger.server import relay
+    from ledger.service._leasing import Leasing
+    from ledger.service._read_models import ReadModels
+    from ledger.service._results import ResultRecording
+    from ledger.service._status import StatusReader
+    from ledger.service._submission import Submissions
+
+    current = threading.local()
+    counts: dict[tuple[str, str], int] = {}
+    calls: dict[str, int] = {}
+
+    def count(kind: str) -> None:
+        step = getattr(current, "step", "other")
+        counts[(step, kind)] = counts.get((step, kind), 0) + 1
+
+    def stepped(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+        label = f"{owner.__name__}.{name}"
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            outer = getattr(current, "step", None)
+            if outer is None:
+                current.step = label
+                calls[label] = calls.get(label, 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if outer is None:
+                    current.step = None
+
+        setattr(owner, name, wrapper)
+
+    def words(query: Any) -> str:
+        text = query.as_string(None) if hasattr(query, "as_string") else str(query)
+        return " ".join(text.split()[:3])[:48]
+
+    for method in ("execute", "executemany"):
+        original = getattr(psycopg.Cursor, method)
+
+        def counted(self: Any, query: Any, *args: Any, _o: Any = original, _m: str = method,
+                    **kwargs: Any) -> Any:
+            count(f"{_m}: {words(query)}")
+            return _o(self, query, *args, **kwargs)
+
+        setattr(psycopg.Cursor, method, counted)
+    commit = psycopg.Connection.commit
+
+    def committed(self: Any) -> None:
+        count("commit")
+        commit(self)
+
+    psycopg.Connection.commit = committed  # type: ignore[method-assign]
+    transaction_exit = psycopg.Transaction.__exit__
+
+    def transaction_done(self: Any, *args: Any) -> Any:
+        count("transaction end")
+        return transaction_exit(self, *args)
+
+    psycopg.Transaction.__exit__ = transaction_done  # type: ignore[method-assign]
+
+    steps: tuple[tuple[type, str], ...] = (
+        (Submissions, "submit_many"),
+        (Leasing, "lease_many"),
+        (Leasing, "check_in"),
+        (ResultRecording, "record_results"),
+        (ReadModels, "refresh"),
+        (ReadModels, "seal_now"),
+        (StatusReader, "status"),
+        (relay.Relay, "_read_batch"),
+    )
+    for owner, name in steps:
+        stepped(owner, name)
+
+    def report() -> None:
+        total = sum(counts.values())
+        print(f"pg statements: {total} in all", file=sys.stderr)
+        for label, n in sorted(calls.items()):
+            print(f"pg step {label}: {n} calls", file=sys.stderr)
+        for (step, kind), n in sorted(counts.items(), key=lambda item: -item[1]):
+            print(f"pg {n:8d}  {step:28s} {kind}", file=sys.stderr)
+
+    atexit.register(report)
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
     "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
     "switch-interval": _switch_interval,
     "sqlite-normal": _sqlite_normal,
     "cpu-split": _cpu_split,
+    "pg-statements": _pg_statements,
 }
 """Experiment name → function applying it (its docstring names the source change)."""
 

@@ -183,7 +183,7 @@ def test_a_previewed_call_is_approved_only_for_the_preview_shown(ledger: Ledger)
     assert operation.preview_requested and operation.preview_hash is None
     proposal_hash = operation.proposal_hash
     assert proposal_hash is not None
-    lead = {"approver": "lead", "approver_roles": ["support_lead"]}
+    lead: dict[str, Any] = {"approver": "lead", "approver_roles": ["support_lead"]}
     # Nothing to approve yet: the approver has not seen what the call would do.
     with pytest.raises(ApprovalRefused, match="preview_pending"):
         ledger.approve("mail-p", proposal_hash=proposal_hash, **lead)
