@@ -236,11 +236,7 @@ def _pg_statements(_value: str) -> None:
     import psycopg
 
     from ledger.server import relay
-    from ledger.service._leasing import Leasing
-    from ledger.service._read_models import ReadModels
-    from ledger.service._results import ResultRecording
-    from ledger.service._status import StatusReader
-    from ledger.service._submission import Submissions
+    from ledger.service import Leasing, ReadModels, ResultRecording, StatusReader, Submissions
 
     current = threading.local()
     counts: dict[tuple[str, str], int] = {}

@@ -12,3 +12,9 @@ from executors import ToolContext, ToolError, tool
 def send_without_lookup(_arguments: Mapping[str, Any], _context: ToolContext) -> dict[str, Any]:
     """The provider's reply is lost, and this executor has no `reconcile`."""
     raise ToolError("TRANSIENT", "PROVIDER_UNAVAILABLE", "the reply was lost", outcome_unknown=True)
+
+
+@send_without_lookup.previewer
+def _preview(arguments: Mapping[str, Any], _context: ToolContext) -> dict[str, Any]:
+    """The contract asks for a preview before approval: what would be sent, as asked."""
+    return {"summary": "send the e-mail as asked", "arguments": dict(arguments)}
