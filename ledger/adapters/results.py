@@ -67,6 +67,17 @@ class ResultStore:
         )
         return str(rows[0][0]) if rows else None
 
+    def get_texts(self, references: Sequence[str]) -> dict[str, str]:
+        """The exact texts kept under `references` (those kept), in one query."""
+        if not references:
+            return {}
+        marks = ", ".join("?" * len(references))
+        rows = self._db.query(
+            f"SELECT result_ref, envelope FROM {RESULTS_TABLE} WHERE result_ref IN ({marks})",
+            tuple(references),
+        )
+        return {str(reference): str(text) for reference, text in rows}
+
     def get(self, reference: str) -> ResultEnvelope | None:
         """The envelope under `reference`, if kept (unchecked: see `Ledger.status`)."""
         text = self.get_text(reference)

@@ -183,6 +183,7 @@ def relay_ports(ledger: Ledger) -> RelayPorts:
         note_set_aside=note_set_aside,
         final_states=frozenset(state.value for state in TERMINAL_STATES),
         last_position=ledger.event_reader.last_position,
+        prefetch=ledger.status_reader.prefetch,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from ledger.adapters.results import ResultStore
@@ -21,6 +22,27 @@ class StatusReader:
     def __init__(self, runner: CommandRunner, store: ResultStore) -> None:
         self._runner = runner
         self._store = store
+        # Kept texts read ahead for the statuses about to be asked (`prefetch`):
+        # each is taken once, so nothing here outlives the batch it was read for.
+        self._read_ahead: dict[str, str | None] = {}
+
+    def prefetch(self, operation_ids: Iterable[str]) -> None:
+        """Read the kept result texts of these operations (the ledger's IDs) in one query,
+        for the status requests about to follow (the relay's outcome notices of one
+        batch): one round trip for the batch instead of one per operation.
+
+        Only operations this process holds a copy of are read ahead; the texts still
+        come from the store, so a kept text changed by hand is caught as before.
+        """
+        references: list[str] = []
+        for operation_id in operation_ids:
+            operation = self._runner.cached(operation_id)
+            outcome = operation.outcome if operation is not None else None
+            reference = outcome.as_dict().get("result_ref") if outcome is not None else None
+            if reference:
+                references.append(str(reference))
+        texts = self._store.get_texts(references)
+        self._read_ahead = {reference: texts.get(reference) for reference in references}
 
     def status(
         self, operation_id: str, *, known_version: int | None = None, host: str | None = None
@@ -51,7 +73,10 @@ class StatusReader:
         if outcome and outcome.get("result_ref"):
             # Only the exact envelope its event bound (RESULT_INTEGRITY otherwise).
             reference = outcome["result_ref"]
-            text = self._store.get_text(reference)
+            if reference in self._read_ahead:
+                text = self._read_ahead.pop(reference)
+            else:
+                text = self._store.get_text(reference)
             result = served_result(text, operation.id, reference, outcome)
         return OperationStatus(
             operation_id=operation.id if host is None else asked,

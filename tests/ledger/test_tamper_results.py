@@ -78,6 +78,37 @@ def test_an_altered_kept_result_is_named_by_verify_and_never_served(
         assert raised.value.safe_details == {"operation_id": "op-1", "result_ref": reference}
 
 
+def test_results_read_ahead_for_the_outcome_notices_are_checked_all_the_same(
+    settled: Ledger,
+) -> None:
+    """The relay reads the kept texts of a batch's outcomes in one query
+    (`StatusReader.prefetch`) instead of one per status: what it reads is still the
+    store's text, checked against its event, and each is used once."""
+    settled.status_reader.prefetch(["op-1", "op-unknown"])
+    status = settled.status("op-1")
+    assert status.result is not None and status.result.data == KEPT
+    reference, text = _kept(settled)
+    settled.db.execute(
+        "UPDATE opledger_results SET envelope = ? WHERE result_ref = ?",
+        (text.replace('"next_cursor":"n1"', '"next_cursor":"n2"'), reference),
+    )
+    settled.status_reader.prefetch(["op-1"])
+    with pytest.raises(ResultIntegrityError):
+        settled.status("op-1")
+    # Read ahead before the edit, asked after it: the stale copy is not kept around.
+    settled.db.execute(
+        "UPDATE opledger_results SET envelope = ? WHERE result_ref = ?", (text, reference)
+    )
+    settled.status_reader.prefetch(["op-1"])
+    assert settled.status("op-1").result is not None
+    settled.db.execute(
+        "UPDATE opledger_results SET envelope = ? WHERE result_ref = ?",
+        (text.replace('"next_cursor":"n1"', '"next_cursor":"n2"'), reference),
+    )
+    with pytest.raises(ResultIntegrityError):
+        settled.status("op-1")
+
+
 def test_a_result_row_no_event_names_is_named(settled: Ledger, capsys: Any) -> None:
     _, text = _kept(settled)
     settled.db.execute(
