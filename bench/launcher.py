@@ -243,7 +243,7 @@ def _pg_statements(_value: str) -> None:
     calls: dict[str, int] = {}
 
     def count(kind: str) -> None:
-        step = getattr(current, "step", "other")
+        step = getattr(current, "step", None) or "other"
         counts[(step, kind)] = counts.get((step, kind), 0) + 1
 
     def stepped(owner: Any, name: str) -> None:

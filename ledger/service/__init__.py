@@ -16,7 +16,7 @@ from ledger.service._leasing import LeaseRequest, Leasing
 from ledger.service._ledger import Ledger
 from ledger.service._read_models import ReadModels
 from ledger.service._results import ResultRecording
-from ledger.service._runner import Command, CommandRunner
+from ledger.service._runner import Command, CommandRunner, OneAppendAbandoned
 from ledger.service._settling import Settling
 from ledger.service._status import StatusReader
 from ledger.service._submission import (
@@ -36,6 +36,7 @@ __all__ = [
     "LeaseRequest",
     "Leasing",
     "Ledger",
+    "OneAppendAbandoned",
     "PinnedContracts",
     "ReadModels",
     "ResultRecording",

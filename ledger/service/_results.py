@@ -43,7 +43,8 @@ class ResultRecording:
         disposition = self._runner.update(
             envelope.operation_id, partial(self._apply, envelope=envelope, kept=kept)
         )
-        self._store.put_texts(kept[-1:])  # the command's last run is the one saved
+        last = kept[-1:]  # the command's last run is the one saved
+        self._runner.after_save(lambda: self._store.put_texts(last))
         return disposition
 
     def record_results(
@@ -60,7 +61,8 @@ class ResultRecording:
         # After the events: a kept envelope without its event would be harmless,
         # an event pointing at no envelope would not. A command that ran twice
         # (a lost race) kept twice: its last run is the one saved.
-        self._store.put_texts(list({item[0]: item for item in kept}.values()))
+        texts = list({item[0]: item for item in kept}.values())
+        self._runner.after_save(lambda: self._store.put_texts(texts))
         return answers
 
     def _apply(

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from eventsourcing.application import AggregateNotFoundError
@@ -46,12 +47,17 @@ from ledger.adapters.eventstore import EventStoreApp
 from ledger.domain.errors import LedgerError, OperationConflict, OperationNotFound
 from ledger.domain.operation import Operation
 
-__all__ = ["Command", "CommandRunner"]
+__all__ = ["Command", "CommandRunner", "OneAppendAbandoned"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 Command = Callable[[Operation], T]
 """A command on one loaded operation: it triggers events, or refuses by raising."""
+
+
+class OneAppendAbandoned(RuntimeError):
+    """A `CommandRunner.one_append` block could not keep its changes apart: nothing of it
+    was saved (the caller runs its work again, one save per step)."""
 
 
 class CommandRunner:
@@ -80,11 +86,18 @@ class CommandRunner:
         # likewise re-checked against the stored one before it is believed.
         self._cache: Recent[str, Operation] = Recent(cache_size, max_weight=cache_bytes)
         self._cache_lock = threading.Lock()
+        # Inside `one_append`: the operations saved so far (their events not yet
+        # appended), and what is to happen once they are.
+        self._held: dict[str, Operation] | None = None
+        self._after: list[Callable[[], object]] = []
 
     # ------------------------------------------------------------------ loading
 
     def get(self, operation_id: str, *, version: int | None = None) -> Operation:
-        """The stored operation as of now, or as of `version`."""
+        """The stored operation as of now, or as of `version` (inside `one_append`: with
+        what the block saved so far, which is stored once the block ends)."""
+        if self._held is not None and version is None and operation_id in self._held:
+            return self._held[operation_id]
         try:
             operation: Operation = self.events.repository.get(
                 operation_id, version=version, projector_func=_replay
@@ -122,13 +135,24 @@ class CommandRunner:
 
     def cached(self, operation_id: str) -> Operation | None:
         """This process's last written copy, if it still has one (maybe stale)."""
+        if self._held is not None and operation_id in self._held:
+            return self._held[operation_id]
         with self._cache_lock:
             return self._cache.get(operation_id)
 
     # ------------------------------------------------------------------- saving
 
     def save(self, *operations: Operation) -> None:
-        """Append the new events of `operations` atomically, and remember them."""
+        """Append the new events of `operations` atomically, and remember them (inside
+        `one_append`: at the block's end, with everything else the block saved)."""
+        if self._held is not None:
+            for operation in operations:
+                held = self._held.setdefault(operation.id, operation)
+                if held is not operation:
+                    # Two copies of one operation with changes of their own: they
+                    # cannot both be appended; the steps run again, each on its own.
+                    raise OneAppendAbandoned(f"two copies of {operation.id} changed")
+            return
         events = [event for operation in operations for event in operation.collect_events()]
         try:
             self.events.events.put(events)
@@ -141,9 +165,50 @@ class CommandRunner:
 
     def forget(self, *operation_ids: str) -> None:
         """Drop cached copies (after a failed command or append)."""
+        if self._held is not None and any(oid in self._held for oid in operation_ids):
+            # A command failed on an operation an earlier step of the block changed:
+            # its copy may hold half of that command's events. Nothing is kept.
+            raise OneAppendAbandoned(f"a command failed on {operation_ids[0]}, changed before")
         with self._cache_lock:
             for operation_id in operation_ids:
                 self._cache.pop(operation_id, None)
+
+    def after_save(self, action: Callable[[], object]) -> None:
+        """Run `action` once what was saved is stored: now, or inside `one_append` once
+        the block's append succeeded (what must never exist without its events)."""
+        if self._held is None:
+            action()
+        else:
+            self._after.append(action)
+
+    @contextmanager
+    def one_append(self) -> Iterator[None]:
+        """Every save inside the block becomes one append at its end.
+
+        For a service that serves several kinds of requests in one turn (new
+        proposals, leases, results): one transaction instead of one per kind.
+        Inside, loading an operation the block changed gives the changed copy, so
+        a later step builds on an earlier one's events. If anything in the block
+        raises, or the append fails (another writer won a race: `IntegrityError`),
+        nothing of the block is stored, the copies it changed are forgotten, and the
+        exception goes to the caller, who runs the steps again one save each.
+        """
+        if self._held is not None:
+            raise RuntimeError("one_append blocks do not nest")
+        self._held, self._after = {}, []
+        try:
+            yield
+            held, after = list(self._held.values()), self._after
+            self._held, self._after = None, []
+            if held:
+                self.save(*held)
+            for action in after:
+                action()
+        except BaseException:
+            abandoned = list(self._held or ())
+            self._held, self._after = None, []
+            self.forget(*abandoned)
+            raise
 
     # ---------------------------------------------------------------- commands
 

@@ -606,7 +606,7 @@ def test_create_role_sql_creates_the_role_the_pgpass_line_logs_in_as(tmp_path: P
     done = run_generator(str(tmp_path), "--database-url", dsn)
     assert done.returncode == 0, done.stderr
     sql = (tmp_path / "postgres" / "create-role.sql").read_text()
-    statements = [s.strip() for s in re.sub(r"--[^\n]*", "", sql).split(";\n") if s.strip()]
+    statements = [s.strip() for s in re.sub(r"(?m)^--[^\n]*", "", sql).split(";\n") if s.strip()]
     try:
         with admin:
             for statement in statements:
