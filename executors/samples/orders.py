@@ -109,6 +109,31 @@ def _refund_still_possible(arguments: Mapping[str, Any], context: ToolContext) -
     return Precondition.ok()
 
 
+def _money(cents: int, currency: str) -> str:
+    return f"{cents // 100}.{cents % 100:02d} {currency}"
+
+
+@request_refund.previewer
+def _what_would_be_refunded(arguments: Mapping[str, Any], _context: ToolContext) -> dict[str, Any]:
+    """The payout as the backend would book it, against the order as it stands: no booking."""
+    amount, currency = int(arguments["amount_cents"]), str(arguments["currency"])
+    with world().lock:
+        order = world().orders.get(str(arguments["order_id"]))
+        if order is None:
+            raise ToolError(ErrorCategory.NOT_FOUND, "ORDER_NOT_FOUND", "no such order is visible")
+        remaining = order.amount_cents - order.refunded_cents
+        status, customer, total = order.status, order.customer_id, order.amount_cents
+    return {
+        "summary": f"refund {_money(amount, currency)} of {order.id} to customer {customer}",
+        "amount": _money(amount, currency),
+        "order_total": _money(total, order.currency),
+        "refundable_before": _money(remaining, order.currency),
+        "refundable_after": _money(max(remaining - amount, 0), order.currency),
+        "order_status": status,
+        "reversible": False,
+    }
+
+
 @request_refund.reconciler
 def _refund_lookup(operation_id: str, _context: ToolContext) -> Reconciliation:
     with world().lock:

@@ -24,7 +24,7 @@ from executors.samples.email import EMAIL_DB_SECRET, count_sends
 from policy import CompiledSchema
 from policy._check._structure import apply_defaults
 from schemas import ErrorCategory, LeaseDecision
-from tests.executors.helpers import FakeLedger, contract, process, reply, work_item
+from tests.executors.helpers import FakeLedger, context, contract, process, reply, work_item
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "contract_samples"
 
@@ -421,3 +421,22 @@ def test_the_email_executor_refuses_to_start_without_its_provider_secret() -> No
             sample_tool("send_customer_email"), contract("send_customer_email"),
             ProcessorOptions("e"),
         )
+
+
+def test_the_refund_preview_states_the_payout_against_the_order_and_books_nothing() -> None:
+    tool = sample_tool("request_refund")
+    assert tool.preview is not None
+    arguments = {"order_id": "order-1001", "amount_cents": 5_000, "currency": "USD",
+                 "reason_code": "damaged"}
+    before = dict(world().refunds)
+    effect = tool.preview(arguments, context("op-preview"))
+    assert effect == {
+        "summary": "refund 50.00 USD of order-1001 to customer cus-0001",
+        "amount": "50.00 USD",
+        "order_total": "120.00 USD",
+        "refundable_before": "100.00 USD",
+        "refundable_after": "50.00 USD",
+        "order_status": "delivered",
+        "reversible": False,
+    }
+    assert dict(world().refunds) == before  # a dry run: nothing booked

@@ -282,15 +282,19 @@ def test_a_refund_above_500_needs_two_distinct_approvers_and_a_small_one_needs_o
         approval = ledger.get(operation_id).approval
         assert approval is not None and approval.required_approvals == needed
         proposal_hash = approval.effect_preview["proposal_hash"]
+        # The payment backend's preview (the amount against the order): both approvers
+        # of a large refund approve the one recorded.
+        payout = PreviewReport(effect={"amount": f"{amount_cents // 100}.00 USD"})
+        shown = previewed(ledger, operation_id, payout)
         ledger.approve(operation_id, approver="fin-1", approver_roles=finance,
-                       proposal_hash=proposal_hash)
+                       proposal_hash=proposal_hash, preview_hash=shown)
         if needed == 2:
             assert ledger.get(operation_id).state is S.AWAITING_APPROVAL
             with pytest.raises(ApprovalRefused, match="duplicate_approver"):
                 ledger.approve(operation_id, approver="fin-1", approver_roles=finance,
-                               proposal_hash=proposal_hash)
+                               proposal_hash=proposal_hash, preview_hash=shown)
             ledger.approve(operation_id, approver="fin-2", approver_roles=finance,
-                           proposal_hash=proposal_hash)
+                           proposal_hash=proposal_hash, preview_hash=shown)
         assert ledger.get(operation_id).state is S.READY
 
 
