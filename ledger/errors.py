@@ -35,6 +35,7 @@ from ledger.nats.errors import (
     TopologyError,
     UnknownIdentity,
 )
+from ledger.service import OneAppendAbandoned
 from ledger.web import NotAuthenticated
 from schemas import OpledgerError
 
@@ -55,6 +56,7 @@ __all__ = [
     "NatsSetupError",
     "NoLedger",
     "NotAuthenticated",
+    "OneAppendAbandoned",
     "OperationConflict",
     "OperationNotFound",
     "OpledgerError",

@@ -46,6 +46,7 @@ from ledger.adapters.event_tables import EventTableReader
 from ledger.adapters.eventstore import EventStoreApp
 from ledger.domain.errors import LedgerError, OperationConflict, OperationNotFound
 from ledger.domain.operation import Operation
+from schemas import OpledgerError
 
 __all__ = ["Command", "CommandRunner", "OneAppendAbandoned"]
 
@@ -55,9 +56,16 @@ Command = Callable[[Operation], T]
 """A command on one loaded operation: it triggers events, or refuses by raising."""
 
 
-class OneAppendAbandoned(RuntimeError):
+class OneAppendAbandoned(OpledgerError):
     """A `CommandRunner.one_append` block could not keep its changes apart: nothing of it
-    was saved (the caller runs its work again, one save per step)."""
+    was saved (the caller runs its work again, one save per step).
+
+    Deliberately not a `LedgerError`: those are one item's refusal, which the
+    runner hands back as that item's answer; this one must end the whole block.
+    """
+
+    code = "ONE_APPEND_ABANDONED"
+    retryable = True
 
 
 class CommandRunner:
