@@ -332,10 +332,21 @@ def _preview_lines(data: dict[str, Any]) -> list[str]:
             lines.append(f"  {_printable(name)}:")
             lines.extend(f"    | {_printable(line)}" for line in value.splitlines())
         else:
-            lines.append(f"  {_printable(name)}: {_printable(_argument_text(value))}")
+            lines.append(f"  {_printable(name)}: {_printable(_effect_text(value))}")
     if report.get("redactions"):
         lines.append(f"  (changed for display: {', '.join(report['redactions'])})")
     return [*lines, ""]
+
+
+def _effect_text(value: Any) -> str:
+    """A preview's value for people: yes/no, none, a list of records one after another."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list) and not value:
+        return "none"
+    if isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        return "; ".join(" · ".join(str(v) for v in item.values()) for item in value)
+    return _argument_text(value)
 
 
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")

@@ -494,6 +494,7 @@ def test_approvals_show_explains_the_effect_for_people(
         "    | \n"
         "    | Thanks for writing to us.\n"
     ) in out
+    assert "  recipients: cus-0001 · customer-0001@acme.example.test\n" in out
     assert f"Preview hash:  {ledger_ids['preview_hash']}" in out
     # Whom it reaches, as the host's systems name them, not only `cus-0001`.
     assert "It acts on:\n  customer cus-0001: Alice\n" in out
