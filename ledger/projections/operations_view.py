@@ -366,12 +366,14 @@ class OperationsProjector:
     def waiting_since_before(
         self, moment: datetime
     ) -> list[tuple[str, str, str | None, int, str, str | None]]:
-        """Operations waiting for a work item (ready, or with an outcome to look up)
-        unchanged since before `moment`: (ID, tool, version, attempts, state, traceparent)."""
+        """Operations that may wait for a work item (ready, with an outcome to look up, or
+        awaiting approval, which may wait for the tool's preview) unchanged since before
+        `moment`: (ID, tool, version, attempts, state, traceparent)."""
         rows = self._db.query(
             "SELECT operation_id, tool, tool_version, attempts, state, trace_parent"
             " FROM opledger_operations"
-            " WHERE state IN ('ready', 'outcome_unknown', 'reconciling') AND updated_at <= ?"
+            " WHERE state IN ('ready', 'outcome_unknown', 'reconciling', 'awaiting_approval')"
+            " AND updated_at <= ?"
             " ORDER BY updated_at",
             (_iso(moment),),
         )

@@ -580,10 +580,14 @@ class LedgerService:
         self.relay = build_relay(self.gateway, nc, metrics=metrics, instance=self.options.instance)
         self.relay.start()
         if self.options.redispatch_after is not None:
+            catalog = self.ledger.checker.catalog
             self._redispatcher = Redispatcher(
                 self.ledger.projector.waiting_since_before,
                 js,
                 after=self.options.redispatch_after,
+                previewed=lambda tool: bool(
+                    (contract := catalog.get(tool)) is not None and contract.approval.preview
+                ),
             )
         await self.broker.start()
         await self._serve_requests(nc)

@@ -275,6 +275,37 @@ async def test_a_lost_work_item_is_published_again_and_a_queued_one_is_not(
     assert history.count("LeaseClaimed") == 1
 
 
+async def test_a_lost_preview_item_is_sent_again_and_the_call_becomes_approvable(
+    stack: Stack,
+) -> None:
+    """Before: a preview item lost with the work stream left the call unapprovable until
+    its approval expired. Now the sweep sends it again (it would be answered `done` had
+    the preview come), and the approved e-mail is sent once."""
+    host = await _host(stack)
+    ledger_nc = await connect_as(stack.server.url, stack.credentials.ledger)
+    js = ledger_nc.jetstream()
+    subject = Subjects.work("send_customer_email")
+    arguments = {"recipient_ids": ["cus-0001"], "template": "support_received",
+                 "variables": {"ticket_id": "TCK-7"}}
+    try:
+        reply = await host.propose(_proposal("send_customer_email", arguments, "op-pv"), ALICE)
+        assert reply.state == "awaiting_approval" and reply.decision is not None
+        await asyncio.sleep(0.5)  # the relay queued the preview item
+        await js.purge_stream(WORK_STREAM, subject=subject)  # lost, before anyone ran it
+        stack.start_executor("send_customer_email")
+        ledger = stack.ledger()
+        shown = await await_preview(ledger, "h1/op-pv", timeout=4 * REDISPATCH_AFTER_S + 30)
+        ledger.approve("h1/op-pv", approver="lead", approver_roles=["support_lead"],
+                       proposal_hash=reply.decision.proposal_hash or "", preview_hash=shown)
+        status = await host.outcome("op-pv", timeout=30)
+    finally:
+        await ledger_nc.close()
+        await host.close()
+    assert status.state == "succeeded", stack.log("service.log")
+    assert "preview items of 1 call(s) awaiting approval sent again" in stack.log("service.log")
+    assert count_sends(stack.email_db, "h1/op-pv") == 1
+
+
 async def test_an_auditor_reads_every_event_from_the_feed_as_the_ledger_stored_it(
     stack: Stack,
 ) -> None:
