@@ -146,6 +146,8 @@ class PhaseResult:
     failures: int
     latencies: list[float]
     cpu_ms_per_op: dict[str, float] = field(default_factory=dict)
+    rss_mb: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    """Process group → resident memory (MB) before and after the phase, and its peak."""
 
     @property
     def ops_per_s(self) -> float:
@@ -257,6 +259,20 @@ def cpu_seconds(pid: int) -> float:
     fields = stat.rsplit(")", 1)[1].split()
     # After the command name: state is field 3; utime and stime are fields 14 and 15.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) memory of process `pid` in MB, from /proc."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return math.nan, math.nan
+    values = {
+        line.split(":", 1)[0]: int(line.split()[1]) / 1024
+        for line in status.splitlines()
+        if line.startswith(("VmRSS:", "VmHWM:"))
+    }
+    return values.get("VmRSS", math.nan), values.get("VmHWM", math.nan)
 
 
 def machine_busy_seconds() -> float:
@@ -741,6 +757,9 @@ async def _with_cpu(
     """
     pids = stack.pids()
     before = {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
+    rss_before = {
+        name: sum(memory_mb(p)[0] for p in group) for name, group in pids.items() if group
+    }
     bench_before = time.process_time()
     machine_before = machine_busy_seconds()
     result = await measure()
@@ -752,6 +771,12 @@ async def _with_cpu(
     ours = sum(result.cpu_ms_per_op.values())
     machine = (machine_busy_seconds() - machine_before) * 1000 / ops
     result.cpu_ms_per_op["other"] = max(machine - ours, 0.0)
+    for name, group in pids.items():
+        if group:
+            now = [memory_mb(p) for p in group]
+            result.rss_mb[name] = (
+                rss_before[name], sum(r for r, _ in now), sum(peak for _, peak in now)
+            )
     return result
 
 
@@ -867,6 +892,9 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
             total = sum(v for k, v in phase.cpu_ms_per_op.items()
                         if k != "other" and not math.isnan(v))
             print(f"  CPU ms/op, {name}: {parts} (ours {total:.2f})")
+        if "service" in phase.rss_mb:
+            start, end, peak = phase.rss_mb["service"]
+            print(f"  service memory MB, {name}: {start:.0f} -> {end:.0f} (peak {peak:.0f})")
     for name, stages in report.breakdowns.items():
         parts = ", ".join(
             f"{stage} {percentile(sorted(values), 50) * 1000:.1f}/"

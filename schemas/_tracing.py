@@ -93,6 +93,8 @@ class TraceAttr:
     """approve or deny."""
     APPROVAL_APPROVER: Final = "opledger.approval.approver"
     APPROVAL_VIA: Final = "opledger.approval.via"
+    APPROVAL_PREVIEW_HASH: Final = "opledger.approval.preview_hash"
+    """The digest of the tool's preview the approver named (a previewed call)."""
     APPROVAL_GRANTED: Final = "opledger.approval.granted"
     """Approvals given so far."""
     APPROVAL_NEEDED: Final = "opledger.approval.needed"

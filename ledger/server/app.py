@@ -382,6 +382,8 @@ class LedgerService:
                     TraceAttr.APPROVAL_VIA: "nats",
                 }
             )
+            if request.preview_hash is not None:
+                span.set_attribute(TraceAttr.APPROVAL_PREVIEW_HASH, request.preview_hash)
             try:
                 status = await self._gateway.decide(request, approver, roles)
             except OpledgerError as error:

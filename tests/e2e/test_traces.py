@@ -245,6 +245,9 @@ async def test_an_approved_email_is_one_trace_from_the_host_to_the_executor(
     assert check_attributes["opledger.risk"] in ("medium", "high", "critical")
     (approval,) = by_name["opledger.approval"]
     assert dict(approval.attributes or {})["opledger.approval.approver"] == "lead"
+    # The approval names the preview the approver saw (the e-mail's contract asks for one).
+    assert len(str(dict(approval.attributes or {})["opledger.approval.preview_hash"])) == 64
+    assert "preview" in {dict(s.attributes or {}).get("opledger.purpose") for s in traced}
     # Parentage: the tool ran inside the executor's work on the item the relay dispatched.
     parent_of = {s.context.span_id: s for s in traced if s.context is not None}
     work = parent_of[tool_span.parent.span_id] if tool_span.parent else None
