@@ -41,7 +41,9 @@ _POLL_S = 0.25  # how often the relay looks for events that other instances wrot
 # they were a fifth of the service's PostgreSQL statements. Readers of the view fold in
 # what it has not taken in yet (`OperationsProjector.rows(current=True)`).
 _REFRESH_EVERY_S = 0.25
-_ROUTES_KEPT = 100_000  # operations whose routes the relay remembers (oldest dropped first)
+# Operations whose routes the relay remembers (oldest dropped first; a forgotten one is
+# asked of the view). About 450 bytes each: at 100,000 they were 45 MB of the service.
+_ROUTES_KEPT = 20_000
 
 
 @dataclass(frozen=True, slots=True)
