@@ -41,10 +41,16 @@ operation's cost goes. `--profile` runs the service and the executors under
 `bench/launcher.py` that mimic proposed changes outside `bench/` (no file
 there is edited), to say what each change would gain.
 
+`--peer dbos` (with the `bench` extra, DBOS Transact) then runs the same no-op as
+a DBOS workflow with one step on the same PostgreSQL (`bench/dbos_peer.py`, a
+process of its own), sequential and concurrent, and prints it beside opledger on
+PostgreSQL with the ratio of their best throughputs.
+
     python bench/e2e_bench.py [--ops 3000] [--concurrency 200] [--rate 200,20] \\
         [--duration 10] [--executors 1,2] [--batch 1,16] [--host-modes watch,sdk] \\
         [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
-        [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses]
+        [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses] \\
+        [--storage sqlite,postgres] [--peer dbos]
 
 Targets on the 2-core reference machine: at least 1,000 operations/s end to
 end, and p99 under 15 ms at 200 operations/s.
@@ -983,6 +989,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="experiments for the executors, e.g. gc-pauses")
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, db)")
+    parser.add_argument("--peer", choices=["dbos"], default=None,
+                        help="after the configurations, the same no-op as a DBOS workflow"
+                        " with one step on the same PostgreSQL (needs the bench extra),"
+                        " printed beside opledger with the ratio")
     parser.add_argument("--storage", type=lambda s: [m for m in s.split(",") if m],
                         default=["sqlite"],
                         help="sqlite and/or postgres (a fresh schema at"
@@ -1001,6 +1011,42 @@ async def _main(args: argparse.Namespace, root: Path) -> None:
         print_report(reports[-1], args)
         sys.stdout.flush()
     print_summary(reports, args)
+    if args.peer == "dbos":
+        print_peer(reports, args)
+
+
+def print_peer(reports: Sequence[ConfigReport], args: argparse.Namespace) -> None:
+    """Run the DBOS peer (`bench/dbos_peer.py`, its own process) and print it beside
+    opledger on PostgreSQL, with the ratio of their best throughputs."""
+    dsn = POSTGRES_DSN
+    low = min(args.rate)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "dbos_peer.py"), "--dsn", dsn, "--ops", "2000",
+         "--concurrency", str(max(args.batch)), "--rate", f"{low:g}",
+         "--duration", f"{args.duration:g}"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"\n=== peer dbos: failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        return
+    peer = json.loads(lines[-1])
+    if "skipped" in peer:
+        print(f"\n=== peer dbos: skipped: {peer['skipped']}")
+        return
+    best = max(peer["sequential_ops_per_s"], peer["concurrent_ops_per_s"])
+    print(f"\n=== peer dbos (one-step workflow, same PostgreSQL; {max(args.batch)} threads)")
+    print(f"  sequential {peer['sequential_ops_per_s']:.1f} wf/s, concurrent "
+          f"{peer['concurrent_ops_per_s']:.1f} wf/s; @{low:g}/s p50/p99 "
+          f"{peer['p50_ms']:.1f}/{peer['p99_ms']:.1f} ms")
+    for report in reports:
+        if report.settings.storage != "postgres":
+            continue
+        for mode in args.host_modes:
+            phase = report.phases.get(f"ledger/{mode} throughput")
+            if phase is not None:
+                print(f"  ratio opledger {report.settings.label} {mode} / dbos best: "
+                      f"{phase.ops_per_s / best:.2f} (target >= 4)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
