@@ -14,7 +14,12 @@ from schemas._decision import Decision
 from schemas._errors import ErrorInfo
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._result import ResultEnvelope
-from schemas._subjects import OPERATION_ID_PATTERN, TOKEN_PATTERN
+from schemas._subjects import (
+    OPERATION_ID_PATTERN,
+    TOKEN_PATTERN,
+    preview_message_id,
+    work_message_id,
+)
 
 __all__ = [
     "EVENT_TYPES",
@@ -248,6 +253,14 @@ class WorkItem(WireModel):
         ge=0,
         description="For `reconcile`: which lookup of the outcome this is (1, 2, ...).",
     )
+
+    @property
+    def message_id(self) -> str:
+        """Its `Nats-Msg-Id`: one item per attempt (and per lookup of its outcome), one
+        preview item per call, each deduplicated by JetStream."""
+        if self.purpose is WorkPurpose.PREVIEW:
+            return preview_message_id(self.operation_id)
+        return work_message_id(self.operation_id, self.attempt, self.lookup)
 
 
 PREVIEW_MAX_BYTES: Final = 64 * 1024

@@ -32,15 +32,7 @@ from nats.js.errors import NotFoundError
 
 from ledger._recent import Recent
 from ledger.server.relay.messages import dispatch_headers
-from schemas import (
-    WORK_STREAM,
-    Subjects,
-    WorkItem,
-    WorkPurpose,
-    preview_message_id,
-    work_consumer,
-    work_message_id,
-)
+from schemas import WORK_STREAM, Subjects, WorkItem, WorkPurpose, work_consumer
 
 __all__ = ["Redispatcher", "WaitingSince"]
 
@@ -101,39 +93,25 @@ class Redispatcher:
             for operation_id, version, attempts, state, traced in operations:
                 if version is None:
                     continue
-                first = work_message_id(operation_id, attempts + 1)
                 if state == "ready":
-                    attempt = attempts + 1  # the attempt its next lease will be
-                    item = WorkItem(
-                        operation_id=operation_id,
-                        tool=tool,
-                        tool_version=version,
-                        attempt=attempt,
-                    )
+                    # The attempt its next lease will be.
+                    attempt, purpose = attempts + 1, WorkPurpose.EXECUTE
                 elif state == "awaiting_approval":
-                    item = WorkItem(
-                        operation_id=operation_id,
-                        tool=tool,
-                        tool_version=version,
-                        attempt=1,
-                        purpose=WorkPurpose.PREVIEW,
-                    )
-                    first = preview_message_id(operation_id)
+                    attempt, purpose = 1, WorkPurpose.PREVIEW
                     self._previews_sent.remember(operation_id, True)
                 else:
                     # A lookup of the attempt whose outcome is unknown; the lease
                     # answers busy until it is due.
-                    attempt = max(attempts, 1)
-                    first = work_message_id(operation_id, attempt)
-                    item = WorkItem(
-                        operation_id=operation_id,
-                        tool=tool,
-                        tool_version=version,
-                        attempt=attempt,
-                        purpose=WorkPurpose.RECONCILE,
-                    )
+                    attempt, purpose = max(attempts, 1), WorkPurpose.RECONCILE
+                item = WorkItem(
+                    operation_id=operation_id,
+                    tool=tool,
+                    tool_version=version,
+                    attempt=attempt,
+                    purpose=purpose,
+                )
                 # Not the relay's ID: that one may still be in the duplicate window.
-                again = f"{first}:again-{state}-{period}"
+                again = f"{item.message_id}:again-{state}-{period}"
                 await self._js.publish(
                     Subjects.work(tool),
                     item.model_dump_json().encode(),

@@ -34,10 +34,8 @@ from schemas import (
     context_from_traceparent,
     feed_message_id,
     host_operation_id,
-    preview_message_id,
     trace_headers,
     tracer,
-    work_message_id,
 )
 
 __all__ = [
@@ -162,9 +160,7 @@ def messages_for(
                 item.model_dump_json().encode(),
                 # One dispatch event per attempt (and per lookup of its outcome, and
                 # one preview per call), so one work item each.
-                preview_message_id(operation_id)
-                if item.purpose is WorkPurpose.PREVIEW
-                else work_message_id(operation_id, item.attempt, item.lookup),
+                item.message_id,
                 headers=dispatch_headers(item, trace_parent),
             )
         )
