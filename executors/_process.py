@@ -328,15 +328,11 @@ class ItemProcessor:
             return ItemDisposition(ItemAction.NAK, "version_mismatch", delay_s=self._retry_delay)
         if delivery > 1:
             self.metrics.retries.labels(reason="redelivered").inc()
-        try:
-            reply = await lease(
-                LeaseRequest(operation_id=item.operation_id, executor=self.executor)
-            )
-        except LeaseError as refusal:
-            return self._lease_error(item, refusal.error, delivery)
-        except Exception as exc:
-            self._log.warning("no lease answer for %s: %s", item.operation_id, type(exc).__name__)
-            return ItemDisposition(ItemAction.NAK, "lease_unavailable", delay_s=self._retry_delay)
+        reply = await self._ask(
+            lease, LeaseRequest(operation_id=item.operation_id, executor=self.executor), delivery
+        )
+        if isinstance(reply, ItemDisposition):
+            return reply
         if reply.operation_id != item.operation_id:
             self._log.error("lease reply for %s answered %s", item.operation_id, reply.operation_id)
             return ItemDisposition(ItemAction.NAK, "lease_invalid", delay_s=self._retry_delay)
@@ -384,9 +380,24 @@ class ItemProcessor:
             return disposition
         return await self._execute(attempt, reply, lease)
 
-    def _lease_error(self, item: WorkItem, error: ErrorInfo, delivery: int) -> ItemDisposition:
+    async def _ask(
+        self, lease: LeaseFn, request: LeaseRequest, delivery: int
+    ) -> LeaseReply | ItemDisposition:
+        """The ledger's answer to a lease request about the item, or what to do with the
+        item without one (a refusal: put back, then dropped; no answer: put back)."""
+        try:
+            return await lease(request)
+        except LeaseError as refusal:
+            return self._lease_error(request.operation_id, refusal.error, delivery)
+        except Exception as exc:
+            self._log.warning(
+                "no lease answer for %s: %s", request.operation_id, type(exc).__name__
+            )
+            return ItemDisposition(ItemAction.NAK, "lease_unavailable", delay_s=self._retry_delay)
+
+    def _lease_error(self, operation_id: str, error: ErrorInfo, delivery: int) -> ItemDisposition:
         self._log.warning(
-            "lease for %s answered %s (%s)", item.operation_id, error.code, error.category.value
+            "lease for %s answered %s (%s)", operation_id, error.code, error.category.value
         )
         transient = error.category in (ErrorCategory.TRANSIENT, ErrorCategory.INTERNAL)
         if transient or delivery < self._give_up_after:
@@ -811,17 +822,13 @@ class ItemProcessor:
             # A provider that is down now: the approvers get the effect a little later
             # rather than a failed preview for good.
             return ItemDisposition(ItemAction.NAK, "preview_retry", delay_s=self._retry_delay)
-        try:
-            await lease(
-                LeaseRequest(operation_id=item.operation_id, executor=self.executor, preview=report)
-            )
-        except LeaseError as refusal:
-            return self._lease_error(item, refusal.error, delivery)
-        except Exception as exc:
-            self._log.warning(
-                "preview of %s not delivered: %s", item.operation_id, type(exc).__name__
-            )
-            return ItemDisposition(ItemAction.NAK, "lease_unavailable", delay_s=self._retry_delay)
+        sent = await self._ask(
+            lease,
+            LeaseRequest(operation_id=item.operation_id, executor=self.executor, preview=report),
+            delivery,
+        )
+        if isinstance(sent, ItemDisposition):
+            return sent
         return ItemDisposition(ItemAction.ACK, "previewed")
 
     async def _preview_changed(
@@ -897,24 +904,15 @@ class ItemProcessor:
                 "PREVIEW_FAILED", ErrorCategory.INTERNAL, "the preview failed"
             ), False
         try:
-            if not isinstance(output, Mapping):
-                raise TypeError
-            data: dict[str, Any] = orjson.loads(orjson.dumps(output))
-        except TypeError:
-            return _preview_error(
-                "PREVIEW_INVALID", ErrorCategory.INTERNAL, "the preview is not a JSON object"
-            ), False
-        if json_value_issue(data, DEFAULT_LIMITS.max_depth) is not None:
-            return _preview_error(
-                "PREVIEW_INVALID", ErrorCategory.INTERNAL, "the preview is not plain JSON"
-            ), False
-        # Approvers see it redacted like any output; the digest binds what the tool
-        # produced, so a change in a part they were not shown is a change all the same.
-        try:
+            data = _plain_json(output, "PREVIEW_INVALID")
+            # Approvers see it redacted like any output; the digest binds what the tool
+            # produced, so a change in a part they were not shown is a change all the same.
             produced = sha256_hex(canonical_json(data))
+        except _Untrusted as problem:
+            return _preview_error(problem.code, ErrorCategory.INTERNAL, problem.message), False
         except CanonicalizationError:
             return _preview_error(
-                "PREVIEW_INVALID", ErrorCategory.INTERNAL, "the preview is not plain JSON"
+                "PREVIEW_INVALID", ErrorCategory.INTERNAL, "the tool's output is not plain JSON"
             ), False
         shown = redact(data, self.redaction)
         report = PreviewReport(
@@ -981,26 +979,7 @@ class ItemProcessor:
         check_post: bool,
     ) -> dict[str, Any]:
         """The output as plain JSON, valid against the contract; `_Untrusted` otherwise."""
-        if not isinstance(output, Mapping):
-            raise _Untrusted("OUTPUT_CONTRACT_VIOLATION", "the tool returned no JSON object")
-        try:
-            # A JSON round trip copies the output (the tool keeps no handle on
-            # what is published) and refuses anything JSON cannot carry.
-            data: dict[str, Any] = orjson.loads(orjson.dumps(output))
-        except TypeError:
-            raise _Untrusted(
-                "OUTPUT_CONTRACT_VIOLATION", "the tool returned a value JSON cannot carry"
-            ) from None
-        # The ledger binds the output by its canonical hash: what no hash can
-        # bind (an integer beyond 2**53, a nesting deeper than the arguments
-        # may have) is refused here, with the same rule the inputs follow.
-        problem = json_value_issue(data, DEFAULT_LIMITS.max_depth)
-        if problem is not None:
-            raise _Untrusted(
-                "OUTPUT_CONTRACT_VIOLATION",
-                "the tool's output is not plain JSON",
-                issues=_issue_summary([problem]),
-            )
+        data = _plain_json(output, "OUTPUT_CONTRACT_VIOLATION")
         issues = self._output.issues(data)
         if issues:
             raise _Untrusted(
@@ -1107,6 +1086,28 @@ class ItemProcessor:
         return ItemDisposition(
             ItemAction.PUBLISH, reason, envelope=envelope, keep_until=attempt.lease_expires_at
         )
+
+
+def _plain_json(output: Any, code: str) -> dict[str, Any]:
+    """A JSON copy of what a tool returned (an output, a preview); `_Untrusted` with
+    `code` when it is no JSON object or not plain JSON."""
+    if not isinstance(output, Mapping):
+        raise _Untrusted(code, "the tool returned no JSON object")
+    try:
+        # A JSON round trip copies the output (the tool keeps no handle on
+        # what is published) and refuses anything JSON cannot carry.
+        data: dict[str, Any] = orjson.loads(orjson.dumps(output))
+    except TypeError:
+        raise _Untrusted(code, "the tool returned a value JSON cannot carry") from None
+    # The ledger binds what a tool returns by its canonical hash: what no hash can
+    # bind (an integer beyond 2**53, a nesting deeper than the arguments may
+    # have) is refused here, with the same rule the inputs follow.
+    problem = json_value_issue(data, DEFAULT_LIMITS.max_depth)
+    if problem is not None:
+        raise _Untrusted(
+            code, "the tool's output is not plain JSON", issues=_issue_summary([problem])
+        )
+    return data
 
 
 def _preview_error(code: str, category: ErrorCategory, message: str) -> PreviewReport:
