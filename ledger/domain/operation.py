@@ -1101,15 +1101,25 @@ class Operation(BaseAggregate[str]):
         if person in {same_person(given) for given in self.approvers}:
             return Refusal("duplicate_approver")
         # Last, so that only one of its approvers learns anything of the preview.
-        if self.preview_requested:
-            # The approver approves the effect they were shown, not only the arguments:
-            # none was shown yet, the tool could show none, or another one was shown.
-            if self.preview is None:
-                return Refusal("preview_pending")
-            if "error" in self.preview:
-                return Refusal("preview_failed")
-            if preview_hash != self.preview_hash:
-                return Refusal("preview_hash_mismatch")
+        # The approver approves the effect they were shown, not only the arguments:
+        # none was shown yet, the tool could show none, or another one was shown.
+        unapprovable = self.preview_unapprovable
+        if unapprovable is not None:
+            return unapprovable
+        if self.preview_requested and preview_hash != self.preview_hash:
+            return Refusal("preview_hash_mismatch")
+        return None
+
+    @property
+    def preview_unapprovable(self) -> Refusal | None:
+        """Why no approval of this call can count now for want of a preview it can name
+        (`preview_pending`, `preview_failed`); None when there is none to wait for."""
+        if not self.preview_requested:
+            return None
+        if self.preview is None:
+            return Refusal("preview_pending")
+        if "error" in self.preview:
+            return Refusal("preview_failed")
         return None
 
     def deny_approval(

@@ -392,8 +392,7 @@ def _decision_hints(data: dict[str, Any]) -> list[str]:
         "To deny it:",
         f'  opledger approvals deny {operation} --approver YOUR_NAME --reason "..."',
     ]
-    preview = data.get("preview")
-    if data.get("preview_requested") and (preview is None or "error" in preview):
+    if data.get("preview_unapprovable"):
         # Nothing an approval could stand for yet (or at all): approving is refused.
         return ["", *deny]
     return [

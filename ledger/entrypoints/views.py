@@ -131,6 +131,10 @@ def approval_view(operation: Operation) -> dict[str, Any]:
         "preview_requested": operation.preview_requested,
         "preview": operation.preview,
         "preview_hash": operation.preview_hash,
+        # Why it cannot be approved yet, or at all, for want of a preview (None: it can).
+        "preview_unapprovable": (
+            str(operation.preview_unapprovable) if operation.preview_unapprovable else None
+        ),
         "approver_roles": approval.get("approver_roles", []),
         "required_approvals": approval.get("required_approvals", 1),
         "approved_by": operation.approvers,
