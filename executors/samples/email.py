@@ -372,8 +372,7 @@ def send_customer_email(arguments: Mapping[str, Any], context: ToolContext) -> d
     """Render the template and send it to each recipient, keyed by the operation ID."""
     subject, body = _render(arguments)
     provider = _provider(context)
-    recipient_ids = list(arguments["recipient_ids"])
-    accepted, rejected = _resolve(recipient_ids, _suppressed(provider, recipient_ids))
+    accepted, rejected = _recipients(arguments, provider)
     if not accepted:
         raise ToolError(
             ErrorCategory.POLICY_DENIED,
@@ -410,21 +409,26 @@ def send_customer_email(arguments: Mapping[str, Any], context: ToolContext) -> d
     return record.as_output()
 
 
-def _suppressed(provider: FakeEmailProvider, customer_ids: Sequence[str]) -> frozenset[str]:
+def _recipients(
+    arguments: Mapping[str, Any], provider: FakeEmailProvider
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """Who a send reaches (customer ID, address) and who it does not, as of now: the
+    send and its preview resolve them the same way, so the preview is what a send does."""
+    recipient_ids = list(arguments["recipient_ids"])
     try:
-        return provider.suppressed(customer_ids)
+        suppressed = provider.suppressed(recipient_ids)
     except sqlite3.Error:
         raise ToolError(
             ErrorCategory.TRANSIENT, "PROVIDER_UNAVAILABLE", "the mail provider is unavailable"
         ) from None
+    return _resolve(recipient_ids, suppressed)
 
 
 @send_customer_email.previewer
 def _what_would_be_sent(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
     """The message as rendered and who receives it, resolved as a send would: no send."""
     subject, body = _render(arguments)
-    recipient_ids = list(arguments["recipient_ids"])
-    accepted, rejected = _resolve(recipient_ids, _suppressed(_provider(context), recipient_ids))
+    accepted, rejected = _recipients(arguments, _provider(context))
     return {
         "summary": f"send {len(accepted)} e-mail(s): {subject}",
         "subject": subject,

@@ -62,10 +62,7 @@ class ResultStore:
 
     def get_text(self, reference: str) -> str | None:
         """The exact text kept under `reference`, if any."""
-        rows = self._db.query(
-            f"SELECT envelope FROM {RESULTS_TABLE} WHERE result_ref = ?", (reference,)
-        )
-        return str(rows[0][0]) if rows else None
+        return self.get_texts([reference]).get(reference)
 
     def get_texts(self, references: Sequence[str]) -> dict[str, str]:
         """The exact texts kept under `references` (those kept), in one query."""
