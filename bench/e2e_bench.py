@@ -50,7 +50,14 @@ PostgreSQL with the ratio of their best throughputs.
         [--duration 10] [--executors 1,2] [--batch 1,16] [--host-modes watch,sdk] \\
         [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
         [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses] \\
-        [--storage sqlite,postgres] [--peer dbos]
+        [--storage sqlite,postgres] [--prefill 0,1000000] [--peer dbos]
+
+`--prefill N` is the scale run: before the service starts, N events of finished
+no-op operations are stored through the ledger's own batched path and sealed
+with the service's key; the phases then run on that ledger, and afterwards
+`opledger audit verify` (its own process, read-only) checks all of it, timed.
+With `--prefill 0,N` the summary prints throughput at N events against the
+empty ledger of the same run (target: within 10 %).
 
 Targets on the 2-core reference machine: at least 1,000 operations/s end to
 end, and p99 under 15 ms at 200 operations/s.
@@ -74,7 +81,8 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +100,19 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from ledger import StorageConfig, build_ledger
+from ledger import StorageConfig, Submission, build_ledger
+from ledger.audit.seal import SealKey
 from ledger.client import AgentHostClient
 from ledger.nats import CredentialSet, NatsServer, connect_as, flush_all, generate_credentials
 from ledger.nats.security import LEDGER_USERS_END, new_user_seed
+from ledger.service import SubmitItem
 from policy.catalog import CATALOG_DIR
 from schemas import (
+    LeaseDecision,
+    LeaseReply,
+    Provenance,
     PullConsumer,
+    ResultEnvelope,
     RuntimeContext,
     StatusRequest,
     Subjects,
@@ -352,6 +366,8 @@ class Settings:
     storage: str = "sqlite"
     """sqlite (a file in the stack's home) or postgres (a fresh schema at
     $OPLEDGER_TEST_POSTGRES_DSN, the DSN the tests use, dropped afterwards)."""
+    prefill: int = 0
+    """Events stored before the service starts (the scale run), 0 for an empty ledger."""
 
     @property
     def label(self) -> str:
@@ -361,6 +377,8 @@ class Settings:
             label += f" service-patches={','.join(self.service_patches)}"
         if self.executor_patches:
             label += f" executor-patches={','.join(self.executor_patches)}"
+        if self.prefill:
+            label += f" prefill={self.prefill:,}"
         return label
 
 
@@ -381,6 +399,7 @@ class Stack:
         self.contracts = _contracts_dir(home)
         self.service: subprocess.Popen[bytes] | None = None
         self.executors: list[subprocess.Popen[bytes]] = []
+        self.prefill_report: str | None = None
         self.raw_workers: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
         self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -429,6 +448,8 @@ class Stack:
             authorization=_with_bench_user(self.credentials, self.bench_seed),
         )
         self.server.start()
+        if self.settings.prefill:
+            self.prefill_report = prefill_ledger(self, self.settings.prefill)
         self.service = self._spawn(
             "ledger.server",
             [
@@ -560,9 +581,102 @@ class Stack:
             self.server.stop()
         for log in self._logs:
             log.close()
+
+    def drop_storage(self) -> None:
+        """Drop the PostgreSQL schema (a SQLite ledger goes with the stack's home)."""
         if self.storage.is_postgres:
             with psycopg.connect(self.storage.postgres_dsn or "", autocommit=True) as db:
                 db.execute(f'DROP SCHEMA IF EXISTS "{self.storage.postgres_schema}" CASCADE')
+
+
+# ------------------------------------------------------------------- scale run
+
+PREFILL_BATCH = 500
+"""Operations per prefill round (one append each for proposals, leases, results)."""
+PREFILL_REFRESH_EVERY = 40
+"""Rounds between view and seal catch-ups while prefilling, as the service would."""
+
+
+def prefill_ledger(stack: Stack, events: int) -> str:
+    """Store at least `events` events of finished no-op operations before the service
+    starts, through the ledger's own batched path (check, lease, result: the events
+    the service would write), view and seal brought up to date with the service's
+    own key; returns a line for the report."""
+    assert stack.credentials is not None
+    ledger = build_ledger(
+        stack.storage,
+        contracts_dir=stack.contracts,
+        seal_key=SealKey.from_seed_file(stack.credentials.ledger.seed_path),
+    )
+    start = time.perf_counter()
+    operations = rounds = 0
+    per_operation = 0.0
+    try:
+        while operations * per_operation < events or not operations:
+            first = operations
+            items: list[SubmitItem] = [
+                (ToolProposal(proposal_id=f"prefill-{n}", conversation_id="prefill",
+                              requested_by_user_id="bench", tool_name=TOOL,
+                              arguments={"n": n}), CONTEXT, HOST)
+                for n in range(first, first + PREFILL_BATCH)
+            ]
+            submitted = [s for s in ledger.submit_many(items) if isinstance(s, Submission)]
+            grants = [
+                grant
+                for grant in ledger.lease_many(
+                    [(s.operation_id, "prefill", TOOL) for s in submitted]
+                )
+                if isinstance(grant, LeaseReply) and grant.decision is LeaseDecision.EXECUTE
+            ]
+            if len(grants) != PREFILL_BATCH:
+                raise RuntimeError(f"prefill: {len(grants)} of {PREFILL_BATCH} leased")
+            now = datetime.now(UTC)
+            ledger.record_results([
+                ResultEnvelope(
+                    operation_id=grant.operation_id, fencing_token=grant.fencing_token,
+                    ok=True, data={"ok": True},
+                    provenance=Provenance(tool=TOOL, tool_version=grant.tool_version or "",
+                                          executor="prefill", attempt=grant.attempt,
+                                          latency_ms=0.1, completed_at=now),
+                )
+                for grant in grants
+            ])
+            operations += PREFILL_BATCH
+            rounds += 1
+            if not per_operation:
+                ((count,),) = ledger.db.query(f"SELECT COUNT(*) FROM {ledger.events_table}")
+                per_operation = int(count) / operations
+            if rounds % PREFILL_REFRESH_EVERY == 0:
+                ledger.refresh()
+        ledger.refresh()
+        ((count,),) = ledger.db.query(f"SELECT COUNT(*) FROM {ledger.events_table}")
+    finally:
+        ledger.close()
+    seconds = time.perf_counter() - start
+    return (f"prefilled {int(count):,} events ({operations:,} operations) in {seconds:.0f} s"
+            f" ({int(count) / seconds:,.0f} events/s, view and seal included)")
+
+
+def time_verify(stack: Stack) -> str:
+    """`opledger audit verify` over the whole ledger, as an auditor runs it (its own
+    process, read-only, trusting the service's public key); returns a report line."""
+    assert stack.credentials is not None
+    database = (
+        ["--database", stack.storage.postgres_dsn or "",
+         "--postgres-schema", stack.storage.postgres_schema]
+        if stack.storage.is_postgres else ["--database", str(stack.home / "ledger.db")]
+    )
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "ledger.entrypoints", *database, "audit", "verify",
+         "--public-key", stack.credentials.ledger.public_key],
+        cwd=REPO, env=stack._env, capture_output=True, text=True, timeout=3600, check=False,
+    )
+    seconds = time.perf_counter() - start
+    checked = next((line.strip() for line in done.stdout.splitlines()
+                    if "events checked" in line), done.stdout.strip()[-200:])
+    verdict = "OK" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
+    return f"audit verify: {verdict} in {seconds:.1f} s; {checked}"
 
 
 # --------------------------------------------------------------------- drivers
@@ -750,6 +864,8 @@ class ConfigReport:
     settings: Settings
     phases: dict[str, PhaseResult] = field(default_factory=dict)
     breakdowns: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """Lines of the scale run: the prefill, and `audit verify` over the whole ledger."""
 
 
 async def _with_cpu(
@@ -856,6 +972,12 @@ async def run_config(settings: Settings, args: argparse.Namespace, root: Path) -
         raise
     finally:
         stack.stop()
+        try:
+            if settings.prefill:
+                report.notes.append(stack.prefill_report or "prefill: not done")
+                report.notes.append(time_verify(stack))
+        finally:
+            stack.drop_storage()
     if settings.profile:
         _print_profiles(home, args.profile_top)
     return report
@@ -885,6 +1007,8 @@ def _overloaded(phase: PhaseResult, rate: float) -> bool:
 def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
     """One block per configuration: each phase, CPU per operation, then ledger/raw ratios."""
     print(f"\n=== {report.settings.label} (service log level {report.settings.service_log_level})")
+    for note in report.notes:
+        print(f"  {note}")
     print(f"  {'phase':<34} {'ops/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'fail':>5}")
     for name, phase in report.phases.items():
         worst = max(phase.latencies, default=math.nan) * 1000
@@ -949,6 +1073,20 @@ def print_summary(reports: Sequence[ConfigReport], args: argparse.Namespace) -> 
                              f" (raw {raw.p(50):.1f}/{raw.p(99):.1f})")
             print(line)
     print("  (! = the stack could not sustain that rate: latencies are queueing, failures counted)")
+    for report in reports:
+        if not report.settings.prefill:
+            continue
+        empty = next((r for r in reports if not r.settings.prefill and replace(
+            r.settings, prefill=report.settings.prefill) == report.settings), None)
+        for mode in args.host_modes:
+            full = report.phases.get(f"ledger/{mode} throughput")
+            base = empty.phases.get(f"ledger/{mode} throughput") if empty else None
+            if full and base:
+                ratio = full.ops_per_s / base.ops_per_s
+                verdict = "met" if ratio >= 0.9 else "MISSED"
+                print(f"  scale {report.settings.storage} {mode}: {full.ops_per_s:.1f} ops/s at"
+                      f" {report.settings.prefill:,} stored events, {base.ops_per_s:.1f} empty:"
+                      f" ratio {ratio:.3f} (target >= 0.9: {verdict})")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -993,6 +1131,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after the configurations, the same no-op as a DBOS workflow"
                         " with one step on the same PostgreSQL (needs the bench extra),"
                         " printed beside opledger with the ratio")
+    parser.add_argument("--prefill", type=_ints, default=[0],
+                        help="events stored before the service starts, a list: e.g."
+                        " 0,1000000 runs each storage on an empty ledger and on one of 1 M"
+                        " events (the scale run; `audit verify` is timed after it)")
     parser.add_argument("--storage", type=lambda s: [m for m in s.split(",") if m],
                         default=["sqlite"],
                         help="sqlite and/or postgres (a fresh schema at"
@@ -1002,11 +1144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _main(args: argparse.Namespace, root: Path) -> None:
     reports = []
-    for storage, executors, batch in itertools.product(
-        args.storage, args.executors, args.batch
+    for storage, prefill, executors, batch in itertools.product(
+        args.storage, args.prefill, args.executors, args.batch
     ):
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
-                            args.service_patches, args.executor_patches, storage)
+                            args.service_patches, args.executor_patches, storage, prefill)
         reports.append(await run_config(settings, args, root))
         print_report(reports[-1], args)
         sys.stdout.flush()
