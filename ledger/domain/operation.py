@@ -18,6 +18,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from eventsourcing.domain import BaseAggregate
 from pydantic import Field
 
+from ledger.domain.approval_rules import (
+    Refusal,
+    approval_refusal,
+    check_approver_name,
+    same_person,
+)
 from ledger.domain.errors import IllegalTransition, InvalidArgument, TamperDetected
 from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event, event_hash
 from ledger.domain.hashing import GENESIS_HASH
@@ -53,18 +59,6 @@ _REASON_MAX = 500
 """The longest reason a person's command records (as the wire allows)."""
 
 
-class Refusal(str):
-    """The reason an approval was refused (also recorded as an event)."""
-
-
-def same_person(name: str) -> str:
-    """A name as compared for separation of duties and distinct approvers: without
-    outer or doubled spaces and case-folded, so `Alice`, `alice` and ` alice` are
-    one person whichever way their approval came (NATS identity, a token's
-    subject, a break-glass `--as`). The names are recorded as given."""
-    return " ".join(name.split()).casefold()
-
-
 _DOING = {
     "deny_approval": "deny the approval",
     "expire_approval": "expire the approval",
@@ -79,11 +73,6 @@ _DOING = {
     "confirm_cancelled": "confirm the cancel",
 }
 """What each guarded command does, as a person would say it (refusals are read by people)."""
-
-
-def _check_approver_name(approver: str) -> None:
-    if not same_person(approver):
-        raise InvalidArgument("an approver has a name")
 
 
 # Which states each command may start from. The aggregate enforces it and the
@@ -1034,7 +1023,7 @@ class Operation(BaseAggregate[str]):
         `break_glass`). A call whose contract asks for a preview is approved only
         once its preview is recorded, and only by naming that preview's digest.
         """
-        _check_approver_name(approver)
+        check_approver_name(approver)
         if self.state not in ALLOWED["grant_approval"] or self.approval is None:
             raise IllegalTransition(
                 f"cannot grant approval to an operation that is {self.state.value}",
@@ -1085,21 +1074,20 @@ class Operation(BaseAggregate[str]):
         now: datetime,
     ) -> Refusal | None:
         assert self.approval is not None
-        if approval_id != self.approval.approval_id:
-            return Refusal("unknown_approval")
-        if self.approval_consumed or self.state is not S.AWAITING_APPROVAL:
-            return Refusal("approval_consumed")
-        if proposal_hash != self.proposal_hash:
-            return Refusal("proposal_hash_mismatch")
-        if now >= self.approval.expires_at:
-            return Refusal("expired")
-        person = same_person(approver)
-        if self.approval.separation_of_duties and person == same_person(self.actor):
-            return Refusal("requester_cannot_approve")
-        if not approver_roles & set(self.approval.approver_roles):
-            return Refusal("not_an_approver")
-        if person in {same_person(given) for given in self.approvers}:
-            return Refusal("duplicate_approver")
+        refusal = approval_refusal(
+            self.approval,
+            approval_id=approval_id,
+            approver=approver,
+            approver_roles=approver_roles,
+            named_hash=proposal_hash,
+            current_hash=self.proposal_hash,
+            requester=self.actor,
+            given=self.approvals_given,
+            open_=not self.approval_consumed and self.state is S.AWAITING_APPROVAL,
+            now=now,
+        )
+        if refusal is not None:
+            return refusal
         # Last, so that only one of its approvers learns anything of the preview.
         # The approver approves the effect they were shown, not only the arguments:
         # none was shown yet, the tool could show none, or another one was shown.
@@ -1134,7 +1122,7 @@ class Operation(BaseAggregate[str]):
     ) -> Refusal | None:
         """Deny the call; it will never run. Only an approver of this request may:
         anyone else's denial is refused, recorded, and its reason returned."""
-        _check_approver_name(approver)
+        check_approver_name(approver)
         self._guard("deny_approval")
         assert self.approval is not None
         if approval_id != self.approval.approval_id:
