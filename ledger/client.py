@@ -40,6 +40,9 @@ from schemas import (
     OperationStatus,
     OperatorRequest,
     OpledgerError,
+    PlanProposal,
+    PlanRequest,
+    PlanStatus,
     ProposalEnvelope,
     ProposeReply,
     RuntimeContext,
@@ -258,6 +261,58 @@ class AgentHostClient:
         )
         return _status_or_refusal(data)
 
+    async def propose_plan(
+        self, plan: PlanProposal, context: RuntimeContext, *, attempts: int = 3
+    ) -> PlanStatus:
+        """Propose a plan of tool calls, checked and approved as one unit; its status.
+
+        A rejected plan answers `rejected` with every finding, each naming its step
+        and its place in the plan. Idempotent by `plan.plan_id`: the same plan again
+        answers its status; another plan under that ID is refused (`RequestRefused`,
+        `OPERATION_CONFLICT`). Each step is an operation of this host under its own
+        `operation_id`, announced and asked about like any other.
+        """
+        request = PlanRequest(command="propose", plan=plan, context=context)
+        await self._listen()  # the steps' outcomes are announced like any operation's
+        for step in plan.steps:
+            self._proposed.remember(step.operation_id, None)
+        return await self._plan_request(request, attempts)
+
+    async def plan_status(self, plan_id: str, *, attempts: int = 3) -> PlanStatus:
+        """Where one of this host's plans stands, with its step table."""
+        return await self._plan_request(PlanRequest(command="status", plan_id=plan_id), attempts)
+
+    async def cancel_plan(
+        self, plan_id: str, *, reason: str = "", attempts: int = 3
+    ) -> PlanStatus:
+        """Cancel one of this host's plans: steps not started never will; running ones
+        are asked to stop (each ends `cancelled`, or with `cancel="too_late"`)."""
+        request = PlanRequest(command="cancel", plan_id=plan_id, reason=reason)
+        return await self._plan_request(request, attempts)
+
+    async def plan_outcome(self, plan_id: str, timeout: float = 60.0) -> PlanStatus:
+        """Wait until the plan is final (`succeeded`, `partially_succeeded`, `failed`,
+        `cancelled`, or refused, denied or expired) and return its status. Asks every
+        poll interval: a plan's steps are announced one by one, the plan itself is not."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            status = await self.plan_status(plan_id)
+            if status.final:
+                return status
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise OutcomeTimeout(
+                    "the plan is not final yet", operation_id=plan_id, state=status.state
+                )
+            await asyncio.sleep(min(remaining, self._poll, 0.2))
+
+    async def _plan_request(self, request: PlanRequest, attempts: int) -> PlanStatus:
+        data = await self._request(
+            Subjects.plan(self.host), request.model_dump_json().encode(), attempts
+        )
+        return _plan_or_refusal(data)
+
     def attention(self, operation_id: str) -> OperationStatus | None:
         """The last notice that `operation_id` needs a person, if one came (not final)."""
         return self._attention.get(operation_id)
@@ -417,6 +472,27 @@ class ApproverClient(_PersonClient):
         request = ApproverRequest(command="deny", operation_id=operation_id, reason=reason)
         return await self._send(request, attempts)
 
+    async def approve_plan(
+        self, plan_id: str, *, plan_hash: str, attempts: int = 1
+    ) -> PlanStatus:
+        """Approve exactly the plan that hashes to `plan_hash` (every step, its order and
+        its edges, as shown to you): one approval for all its steps. `plan_id` is the
+        ledger's `<host>/<plan id>`. Refused like an approval of a call."""
+        request = ApproverRequest(command="approve", plan_id=plan_id, proposal_hash=plan_hash)
+        return await self._send_plan(request, attempts)
+
+    async def deny_plan(self, plan_id: str, *, reason: str = "", attempts: int = 1) -> PlanStatus:
+        """Deny the plan: none of it runs."""
+        request = ApproverRequest(command="deny", plan_id=plan_id, reason=reason)
+        return await self._send_plan(request, attempts)
+
+    async def _send_plan(self, request: ApproverRequest, attempts: int) -> PlanStatus:
+        data = await _request(
+            self._nc, Subjects.approve(self.name), request.model_dump_json().encode(),
+            attempts, self._timeout,
+        )
+        return _plan_or_refusal(data)
+
 
 async def _request(
     nc: Client, subject: str, payload: bytes, attempts: int, timeout: float
@@ -460,6 +536,14 @@ def _status_or_refusal(data: bytes) -> OperationStatus:
             raise RequestRefused(ErrorEnvelope.model_validate(body).error)
         raise RequestRefused(ErrorInfo.model_validate(body["error"]))
     return OperationStatus.model_validate(body)
+
+
+def _plan_or_refusal(data: bytes) -> PlanStatus:
+    """A plan's status, or `RequestRefused` for the error envelope."""
+    body = orjson.loads(data)
+    if isinstance(body, dict) and body.get("ok") is False:
+        raise RequestRefused(ErrorEnvelope.model_validate(body).error)
+    return PlanStatus.model_validate(body)
 
 
 def _busy_wait_s(data: bytes) -> float | None:

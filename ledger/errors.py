@@ -20,6 +20,7 @@ from ledger.domain.errors import (
     LedgerError,
     OperationConflict,
     OperationNotFound,
+    PlanNotFound,
     ResultIntegrityError,
     TamperDetected,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "OperationNotFound",
     "OpledgerError",
     "OutcomeTimeout",
+    "PlanNotFound",
     "RequestRefused",
     "ResultIntegrityError",
     "SealKeyError",

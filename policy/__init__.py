@@ -13,11 +13,19 @@ The public surface:
 
 from policy._check._checker import ProposalChecker
 from policy._check._parse import DEFAULT_LIMITS, ArgumentLimits, json_value_issue
-from policy._check._pointer import replace_at_pointers
+from policy._check._plan import (
+    PlanShape,
+    merge_approvals,
+    parallel_writes,
+    plan_shape,
+    riskiest,
+)
+from policy._check._pointer import MISSING, replace_at_pointers, resolve_pointer
 from policy._check._structure import CompiledSchema
 from policy._contract import (
     ApprovalMode,
     ApprovalPolicy,
+    Compensation,
     EffectClass,
     ErrorModelEntry,
     Idempotency,
@@ -31,6 +39,7 @@ from policy._contract import (
     ToolContract,
     ToolDescription,
     ToolVersion,
+    WriteKey,
 )
 from policy._errors import ArgumentLimitsError, ContractError, ToolFormatError
 from policy._export import (
@@ -57,12 +66,14 @@ from policy._registry import ContractRegistry, ToolCatalog, json_pointer, parse_
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "MISSING",
     "AmbiguousTarget",
     "ApprovalMode",
     "ApprovalPolicy",
     "ArgumentLimits",
     "ArgumentLimitsError",
     "BudgetCounter",
+    "Compensation",
     "CompiledSchema",
     "ContractError",
     "ContractRegistry",
@@ -72,6 +83,7 @@ __all__ = [
     "InMemoryBudgetCounter",
     "InMemoryTargetResolver",
     "Limits",
+    "PlanShape",
     "ProposalChecker",
     "ReconcilePolicy",
     "RetryPolicy",
@@ -91,13 +103,19 @@ __all__ = [
     "ToolFormat",
     "ToolFormatError",
     "ToolVersion",
+    "WriteKey",
     "export_tool",
     "json_pointer",
     "json_value_issue",
+    "merge_approvals",
     "offered_contracts",
     "openai_strict_report",
+    "parallel_writes",
     "parse_contract",
+    "plan_shape",
     "replace_at_pointers",
+    "resolve_pointer",
+    "riskiest",
     "to_anthropic_tool",
     "to_mcp_tool",
     "to_openai_tool",

@@ -17,6 +17,7 @@ from schemas import ErrorCategory, RiskLevel, canonical_json, sha256_hex
 __all__ = [
     "ApprovalMode",
     "ApprovalPolicy",
+    "Compensation",
     "EffectClass",
     "ErrorModelEntry",
     "Idempotency",
@@ -29,6 +30,7 @@ __all__ = [
     "ToolContract",
     "ToolDescription",
     "ToolVersion",
+    "WriteKey",
 ]
 
 
@@ -276,6 +278,42 @@ class TargetRule(_Frozen):
     must_be_owned_by_actor: bool = False
 
 
+class WriteKey(_Frozen):
+    """An argument that names what a write changes, by kind (`ToolContract.writes`).
+
+    Two steps of a plan that may run at the same time conflict when they
+    write the same (kind, value): a plan orders them, or it is refused.
+    Unlike a `TargetRule`, the resource need not exist yet (a folder a step
+    creates).
+    """
+
+    argument: str = Field(pattern=r"^(/[^/]+)+$", description="JSON pointer into the arguments.")
+    kind: str = Field(min_length=1)
+
+
+class Compensation(_Frozen):
+    """How a succeeded call of this tool is undone: another tool, with arguments built
+    from the original call and its result (seeds 001 and 003). Proposing it is always a
+    person's or a host's decision, checked and approved as a call of its own."""
+
+    tool: str = Field(pattern=r"^[a-z][a-z0-9_]{1,63}$")
+    arguments: dict[str, str] = Field(
+        description="Argument name -> where its value comes from: `call:/pointer` (the"
+        " original call's arguments) or `result:/pointer` (its result).",
+    )
+
+    @model_validator(mode="after")
+    def _sources_are_pointers(self) -> Compensation:
+        for name, source in self.arguments.items():
+            origin, _, pointer = source.partition(":")
+            if origin not in ("call", "result") or not (pointer == "" or pointer.startswith("/")):
+                raise ValueError(
+                    f"compensation argument {name!r}: {source!r} is neither call:/pointer"
+                    " nor result:/pointer"
+                )
+        return self
+
+
 class ToolVersion(_Frozen):
     """The version record: a changed schema is a changed version."""
 
@@ -310,6 +348,22 @@ class ToolContract(_Frozen):
         default=(), description="JSON pointers whose values are never exported in clear."
     )
     max_repair_attempts: int = Field(default=2, ge=0, le=10)
+    flows: tuple[str, ...] = Field(
+        default=(),
+        description="JSON pointers into the output whose values a later step of a plan may"
+        " take as an argument (seed 000's allow list of result fields copied into the next"
+        " call). Nothing else of a result ever flows into another call.",
+    )
+    writes: tuple[WriteKey, ...] = Field(
+        default=(),
+        description="What a call of this tool changes, by kind, for a plan's check of writes"
+        " that may run at the same time; empty: its `targets`.",
+    )
+    compensation: Compensation | None = Field(
+        default=None,
+        description="The tool that undoes a succeeded call, and its arguments; none: the"
+        " effect is not undone by a tool.",
+    )
 
     @model_validator(mode="after")
     def _irreversible_writes_are_not_retried(self) -> ToolContract:
@@ -331,6 +385,15 @@ class ToolContract(_Frozen):
     def output_schema_hash(self) -> str:
         """SHA-256 of the canonical output schema."""
         return sha256_hex(canonical_json(self.output_schema))
+
+    @property
+    def write_keys(self) -> tuple[WriteKey, ...]:
+        """What a call writes, by kind (`writes`, else its `targets`); none for a read."""
+        if not self.effect.writes:
+            return ()
+        if self.writes:
+            return self.writes
+        return tuple(WriteKey(argument=rule.argument, kind=rule.kind) for rule in self.targets)
 
     @property
     def version_record(self) -> ToolVersion:

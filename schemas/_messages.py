@@ -23,9 +23,11 @@ from schemas._subjects import (
 
 __all__ = [
     "EVENT_TYPES",
+    "FEED_ID_PATTERN",
     "OPERATION_STATES",
     "OUTCOME_SCHEMA",
     "OUTCOME_STATUSES",
+    "PLAN_EVENT_TYPES",
     "PREVIEW_MAX_BYTES",
     "CancelRequest",
     "FeedEvent",
@@ -114,6 +116,29 @@ EVENT_TYPES: Final = (
 """Every event type of the ledger, as a feed record's `type` (and the last token of its
 subject) says it: the event classes of `Operation`, in their order (a test keeps the two
 the same)."""
+
+PLAN_EVENT_TYPES: Final = (
+    "PlanProposed",
+    "PlanRejected",
+    "PlanValidated",
+    "PlanApprovalRequested",
+    "PlanApprovalGranted",
+    "PlanApprovalRefused",
+    "PlanDenied",
+    "PlanExpired",
+    "PlanStarted",
+    "StepReleased",
+    "StepSkipped",
+    "PlanCancelRequested",
+    "PlanSettled",
+    "PlanRetried",
+)
+"""The event types of a plan (`ledger.domain.plan.Plan`), on the feed under the subject
+token `_plan` (`ops.feed._plan.<type>`), in their order (a test keeps the two the same)."""
+
+FEED_ID_PATTERN: Final = r"^(?:[A-Za-z0-9_-]{1,128}/)?[A-Za-z0-9_-]{1,128}(?:~plan)?$"
+"""What a feed record's `operation_id` is: an operation's ledger ID, or a plan's
+(`<host>/<plan id>~plan`)."""
 
 # What the ledger sends, published exactly. The models read these leniently (any
 # string): only the ledger writes them, and a host on an older schema must not
@@ -464,11 +489,22 @@ class ApproverRequest(WireModel):
     """
 
     command: Literal["approve", "deny"]
-    operation_id: str = Field(pattern=OPERATION_ID_PATTERN, description="The ledger's ID.")
+    operation_id: str | None = Field(
+        default=None,
+        pattern=OPERATION_ID_PATTERN,
+        description="The ledger's ID of the call decided on (or `plan_id`: exactly one).",
+    )
+    plan_id: str | None = Field(
+        default=None,
+        pattern=OPERATION_ID_PATTERN,
+        description="For a plan: the ledger's `<host>/<plan id>`; one approval decides every"
+        " step of it. Left out when deciding on a single call.",
+    )
     proposal_hash: str | None = Field(
         default=None,
         pattern=DIGEST_PATTERN,
-        description="For `approve`: the hash of the call as shown (required).",
+        description="For `approve`: the hash of the call (or of the plan: `plan_hash`) as"
+        " shown (required).",
     )
     preview_hash: str | None = Field(
         default=None,
@@ -479,7 +515,20 @@ class ApproverRequest(WireModel):
     )
     reason: str = Field(default="", max_length=500)
 
-    omitted_when_none = frozenset({"preview_hash"})
+    omitted_when_none = frozenset({"preview_hash", "plan_id"})
+
+    @model_validator(mode="after")
+    def _one_subject(self) -> ApproverRequest:
+        if (self.operation_id is None) == (self.plan_id is None):
+            raise ValueError("name exactly one of `operation_id` and `plan_id`")
+        return self
+
+    @property
+    def decided_id(self) -> str:
+        """The ledger's ID of the call or plan decided on."""
+        decided = self.operation_id or self.plan_id
+        assert decided is not None
+        return decided
 
 
 class StatusRequest(WireModel):
@@ -521,9 +570,13 @@ class FeedEvent(WireModel):
     """One ledger event as mirrored on the feed (sensitive argument values hashed)."""
 
     position: int = Field(description="The event's place in the ledger's global order.")
-    operation_id: _LedgerOperationId = Field(description="The ledger's ID, `<host>/<id>`.")
+    operation_id: Annotated[
+        str, WithJsonSchema({"type": "string", "pattern": FEED_ID_PATTERN})
+    ] = Field(description="The ledger's ID, `<host>/<id>`, or a plan's `<host>/<id>~plan`.")
     version: int = Field(description="The event's place among its operation's events (1, 2, ...).")
-    type: Annotated[str, WithJsonSchema({"type": "string", "enum": list(EVENT_TYPES)})]
+    type: Annotated[
+        str, WithJsonSchema({"type": "string", "enum": [*EVENT_TYPES, *PLAN_EVENT_TYPES]})
+    ]
     timestamp: _Timestamp | None = Field(
         default=None,
         description="When the event was recorded: RFC 3339, UTC, with microseconds"

@@ -25,6 +25,7 @@ from schemas._messages import (
     ToolsRequest,
     WorkItem,
 )
+from schemas._plans import PlanProposal, PlanRequest, PlanStatus
 from schemas._proposal import RuntimeContext, ToolProposal
 from schemas._result import ResultEnvelope
 
@@ -53,6 +54,9 @@ WIRE_MODELS: dict[str, type[BaseModel]] = {
     "approver-request": ApproverRequest,
     "operation-status": OperationStatus,
     "feed-event": FeedEvent,
+    "plan-proposal": PlanProposal,
+    "plan-request": PlanRequest,
+    "plan-status": PlanStatus,
 }
 """File stem → model, for every wire format opledger publishes."""
 

@@ -164,6 +164,11 @@ class Subjects:
         return "ops.tools.*"
 
     @staticmethod
+    def all_plan_requests() -> str:
+        """Every host's plan subject (`ops.plan.*`), served by the ledger."""
+        return "ops.plan.*"
+
+    @staticmethod
     def all_operator_requests() -> str:
         """Every operator's subject (`ops.operate.*`), served by the ledger."""
         return "ops.operate.*"
@@ -219,6 +224,12 @@ class Subjects:
     def tools(host: str) -> str:
         """Where host `host` asks for the tools it may offer its model (request/reply)."""
         return f"ops.tools.{check_token(host)}"
+
+    @staticmethod
+    def plan(host: str) -> str:
+        """Where host `host` proposes plans, asks where they stand and cancels them
+        (request/reply, `PlanRequest`)."""
+        return f"ops.plan.{check_token(host)}"
 
     @staticmethod
     def operate(operator: str) -> str:

@@ -96,6 +96,16 @@ class EventTableReader:
         )
         return {str(row[0]) for row in rows}
 
+    def ids_ending(self, suffix: str) -> list[str]:
+        """Every aggregate ID that ends with `suffix` (a scan: for a service's start, not
+        for every request)."""
+        rows = self._db.query(
+            f"SELECT DISTINCT originator_id FROM {self._events}"
+            " WHERE originator_version = 1 AND originator_id LIKE ?",
+            (f"%{suffix}",),
+        )
+        return sorted(str(row[0]) for row in rows)
+
     def stored_version(self, operation_id: str) -> int | None:
         """The newest stored version of one operation, or None if it has no events."""
         rows = self._db.query(

@@ -20,6 +20,7 @@ import orjson
 
 from ledger.adapters.event_tables import StoredRow
 from ledger.domain.hashing import stored_event_hash
+from ledger.domain.plan import is_plan_id
 from policy import ToolContract, replace_at_pointers
 from schemas import canonical_json, sha256_hex
 
@@ -44,6 +45,33 @@ def redact_arguments(arguments: Any, sensitive: tuple[str, ...]) -> Any:
     return replace_at_pointers(arguments, sensitive, _hashed)
 
 
+SensitiveOf = Callable[[str], tuple[str, ...]]
+"""tool → the pointers its contract marks sensitive (for a plan's events, whose steps
+are calls of several tools)."""
+
+
+def _redact_plan_steps(state: dict[str, Any], sensitive_of: SensitiveOf) -> dict[str, Any]:
+    """A plan event with each step's sensitive arguments hashed, by that step's tool:
+    the plan as proposed (`plan.steps[].tool_name`), as checked (`steps[].tool`) and as
+    shown to approvers (`effect_preview.steps[].tool`)."""
+    state = copy.deepcopy(state)
+    lists = []
+    if isinstance(state.get("plan"), dict):
+        lists.append((state["plan"].get("steps"), "tool_name"))
+    lists.append((state.get("steps"), "tool"))
+    if isinstance(state.get("effect_preview"), dict):
+        lists.append((state["effect_preview"].get("steps"), "tool"))
+    for steps, tool_key in lists:
+        if not isinstance(steps, list):
+            continue
+        for one in steps:
+            if isinstance(one, dict) and "arguments" in one:
+                pointers = sensitive_of(str(one.get(tool_key, "")))
+                if pointers:
+                    one["arguments"] = redact_arguments(one["arguments"], pointers)
+    return state
+
+
 def _redact_event(state: dict[str, Any], sensitive: tuple[str, ...]) -> dict[str, Any]:
     if isinstance(state.get("report"), dict):
         state = {**state, "report": _hashed(state["report"])}
@@ -60,14 +88,19 @@ def _redact_event(state: dict[str, Any], sensitive: tuple[str, ...]) -> dict[str
     return state
 
 
-def feed_record(row: StoredRow, sensitive: tuple[str, ...]) -> dict[str, Any]:
-    """One stored event as an export or feed record, sensitive values hashed.
+def feed_record(
+    row: StoredRow, sensitive: tuple[str, ...], *, sensitive_of: SensitiveOf | None = None
+) -> dict[str, Any]:
+    """One stored event as an export or feed record, sensitive values hashed (for a
+    plan's event, `sensitive_of` gives each step's tool's pointers).
 
     The hash is computed from the stored event, before redaction, so a record
     can be checked against a later verification.
     """
     position, operation_id, version, topic, stored = row
     state = orjson.loads(stored)
+    if sensitive_of is not None and isinstance(state, dict):
+        state = _redact_plan_steps(state, sensitive_of)
     return {
         "position": position,
         "operation_id": operation_id,
@@ -88,8 +121,16 @@ def exported_events(
     `contracts` maps tool name → contract (for the sensitive pointers).
     """
     tools: dict[str, str] = {}
+
+    def sensitive_of(tool: str) -> tuple[str, ...]:
+        contract = contracts.get(tool)
+        return contract.sensitive_arguments if contract else ()
+
     for row in rows:
         operation_id, version, stored = row[1], row[2], row[4]
+        if is_plan_id(operation_id):
+            yield feed_record(row, (), sensitive_of=sensitive_of)
+            continue
         if version == 1:
             tools[operation_id] = str(orjson.loads(stored).get("tool", ""))
         contract = contracts.get(tools.get(operation_id, ""))

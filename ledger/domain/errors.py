@@ -12,6 +12,7 @@ __all__ = [
     "LedgerError",
     "OperationConflict",
     "OperationNotFound",
+    "PlanNotFound",
     "ResultIntegrityError",
     "TamperDetected",
 ]
@@ -61,6 +62,12 @@ class OperationNotFound(LedgerError):
 
     category = ErrorCategory.NOT_FOUND
     code = "OPERATION_NOT_FOUND"
+
+
+class PlanNotFound(OperationNotFound):
+    """No plan of this ID is visible to the caller (answered like an unknown operation)."""
+
+    code = "PLAN_NOT_FOUND"
 
 
 class ApprovalRefused(LedgerError):

@@ -8,16 +8,24 @@ the bytes the event store keeps.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import orjson
 from eventsourcing.domain import CanInitAggregate, CanMutateAggregate
 from eventsourcing.utils import get_topic
 from pydantic import BaseModel, ConfigDict
 
-from ledger.domain.hashing import stored_event_hash
+from ledger.domain.errors import TamperDetected
+from ledger.domain.hashing import GENESIS_HASH, stored_event_hash
 
-__all__ = ["LedgerCreatedEvent", "LedgerEvent", "encoded_event", "event_hash"]
+__all__ = [
+    "ChainedEvent",
+    "LedgerCreatedEvent",
+    "LedgerEvent",
+    "encoded_event",
+    "event_hash",
+    "start_chain",
+]
 
 # Where an event keeps its encoding. A plain __dict__ entry, not a pydantic
 # private attribute: those cost more per event than the encoding itself. Never
@@ -68,3 +76,34 @@ def remember_stored_form(event: LedgerEvent, stored: bytes) -> None:
 def event_hash(event: LedgerEvent) -> str:
     """The hash of `event` exactly as it is (or will be) stored."""
     return stored_event_hash(get_topic(type(event)), encoded_event(event))
+
+
+class ChainedEvent(LedgerEvent):
+    """An event that keeps its aggregate's hash chain as it applies: it must follow the
+    aggregate's last event (`prev_hash`), or replay stops with `TamperDetected`.
+
+    The base of an operation's and a plan's events; each event's own change is its
+    `apply_to`.
+    """
+
+    def apply(self, aggregate: Any) -> None:
+        if self.prev_hash != aggregate.head_hash:
+            raise TamperDetected(
+                "event does not follow its predecessor",
+                operation_id=self.originator_id,
+                version=self.originator_version,
+            )
+        self.apply_to(aggregate)
+        aggregate.head_hash = event_hash(self)
+        # What this aggregate's history weighs as stored: caches bound their
+        # memory by it (the encoding exists already, for the hash).
+        aggregate.history_bytes += len(encoded_event(self))
+
+    def apply_to(self, aggregate: Any) -> None:
+        """Change the aggregate's state; overridden by each event."""
+
+
+def start_chain(aggregate: Any) -> None:
+    """Before an aggregate's first event applies: its chain starts at the genesis hash."""
+    aggregate.head_hash = GENESIS_HASH
+    aggregate.history_bytes = 0

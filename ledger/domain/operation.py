@@ -24,8 +24,8 @@ from ledger.domain.approval_rules import (
     check_approver_name,
     same_person,
 )
-from ledger.domain.errors import IllegalTransition, InvalidArgument, TamperDetected
-from ledger.domain.events import LedgerCreatedEvent, LedgerEvent, encoded_event, event_hash
+from ledger.domain.errors import IllegalTransition, InvalidArgument
+from ledger.domain.events import ChainedEvent, LedgerCreatedEvent, start_chain
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.states import TERMINAL_STATES, OperationState, ResultDisposition
 from ledger.domain.values import (
@@ -147,24 +147,8 @@ class Operation(BaseAggregate[str]):
 
     # ------------------------------------------------------------------ events
 
-    class Event(LedgerEvent):
+    class Event(ChainedEvent):
         """Base of the operation's events: keeps the hash chain as they apply."""
-
-        def apply(self, aggregate: Any) -> None:
-            if self.prev_hash != aggregate.head_hash:
-                raise TamperDetected(
-                    "event does not follow its predecessor",
-                    operation_id=self.originator_id,
-                    version=self.originator_version,
-                )
-            self.apply_to(aggregate)
-            aggregate.head_hash = event_hash(self)
-            # What this operation's history weighs as stored: caches bound
-            # their memory by it (the encoding exists already, for the hash).
-            aggregate.history_bytes += len(encoded_event(self))
-
-        def apply_to(self, aggregate: Any) -> None:
-            """Change the aggregate's state; overridden by each event."""
 
     class Proposed(Event, LedgerCreatedEvent):
         """A host proposed a tool call. Nothing has been checked yet."""
@@ -185,7 +169,7 @@ class Operation(BaseAggregate[str]):
         """The ledger's ID of the rejected operation this proposal repairs."""
         repair_depth: int = 0
         """How many repairs precede this proposal in its chain (0: not a repair)."""
-        omitted_when_none = frozenset({"trace_parent", "retries", "proposed_by"})
+        omitted_when_none = frozenset({"trace_parent", "retries", "proposed_by", "plan", "step"})
 
         trace_parent: str | None = None
         """The W3C `traceparent` of the ledger's check of this proposal (continuing the
@@ -197,10 +181,14 @@ class Operation(BaseAggregate[str]):
         proposed_by: str | None = None
         """Who proposed it when not the host: the person who retried (`operator:<name>`,
         `break-glass:<name>`), on behalf of `actor`."""
+        plan: str | None = None
+        """The ledger's ID of the plan this operation is a step of (None: a call of its
+        own). Only the ledger's plan runner sets it: a host's proposal cannot."""
+        step: str | None = None
+        """The step of `plan` it runs."""
 
         def apply(self, aggregate: Any) -> None:
-            aggregate.head_hash = GENESIS_HASH
-            aggregate.history_bytes = 0
+            start_chain(aggregate)
             super().apply(aggregate)
 
         def apply_to(self, aggregate: Any) -> None:
@@ -218,6 +206,8 @@ class Operation(BaseAggregate[str]):
             aggregate.trace_parent = self.trace_parent
             aggregate.retries = self.retries
             aggregate.proposed_by = self.proposed_by
+            aggregate.plan = self.plan
+            aggregate.step = self.step
             aggregate.retried_as = None
             aggregate.success_reported_late = False
             aggregate.repaired_by = None
@@ -745,6 +735,9 @@ class Operation(BaseAggregate[str]):
         retries: str | None
         """The failed operation this one runs again (`Proposed.retries`)."""
         proposed_by: str | None
+        plan: str | None
+        """The plan this operation is a step of (`Proposed.plan`), and which step."""
+        step: str | None
         retried_as: str | None
         """The operation that runs this failed one again, once a person retried it."""
         success_reported_late: bool
@@ -814,11 +807,16 @@ class Operation(BaseAggregate[str]):
         trace_parent: str | None = None,
         retries: str | None = None,
         proposed_by: str | None = None,
+        plan: str | None = None,
+        step: str | None = None,
     ) -> Operation:
         """Record a new proposal under `operation_id` (`omitted`: what of it was not kept;
         `capabilities`: the caller's, from its trusted runtime context; `trace_parent`:
         the W3C traceparent its later spans continue; `retries` and `proposed_by`: the
-        failed operation a person runs again, and who)."""
+        failed operation a person runs again, and who; `plan` and `step`: the plan
+        step it runs)."""
+        if (plan is None) != (step is None):
+            raise InvalidArgument("a plan step names its plan and its step")
         if trace_parent is not None and not _TRACEPARENT.match(trace_parent):
             raise InvalidArgument("trace_parent is not a W3C traceparent")
         return cls._create(
@@ -840,6 +838,8 @@ class Operation(BaseAggregate[str]):
             trace_parent=trace_parent,
             retries=retries,
             proposed_by=proposed_by,
+            plan=plan,
+            step=step,
         )
 
     def _guard(self, command: str) -> None:
@@ -1005,6 +1005,15 @@ class Operation(BaseAggregate[str]):
         """Auto-approved: the call may run."""
         self._guard("mark_ready")
         self._trigger(self.Readied, now)
+
+    def mark_ready_in_plan(self, *, approval_id: str, approvers: list[str], now: datetime) -> None:
+        """The call may run: it is a step of a plan whose one approval covers it
+        (`approval_id`, `approvers`: the plan's)."""
+        self._guard("mark_ready")
+        if self.plan is None:
+            raise IllegalTransition("only a plan's step is approved with its plan",
+                                    operation_id=self.id)
+        self._trigger(self.Readied, now, approval_id=approval_id, approvers=approvers)
 
     def grant_approval(
         self,

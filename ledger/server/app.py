@@ -27,9 +27,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from pydantic import BaseModel, ValidationError
 
+from ledger.adapters.event_tables import StoredRow
 from ledger.domain.states import TERMINAL_STATES, ResultDisposition
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
+from ledger.server.plan_follower import PlanFollower
 from ledger.server.redispatch import Redispatcher
 from ledger.server.relay import Relay, RelayPorts, RelayPositions
 from ledger.server.requests import RequestServer
@@ -48,10 +50,12 @@ from schemas import (
     LeaseRequest,
     OperatorRequest,
     OpledgerError,
+    PlanRequest,
     ProposalEnvelope,
     ProposeReply,
     PullConsumer,
     ResultEnvelope,
+    RuntimeContext,
     StatusRequest,
     Subjects,
     ToolsReply,
@@ -148,6 +152,13 @@ def _reply(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
+_TENANT_NOT_ALLOWED = ErrorInfo(
+    code="TENANT_NOT_ALLOWED",
+    category=ErrorCategory.UNAUTHORIZED,
+    message="this host may not act for that tenant",
+)
+
+
 def _refused(error: ErrorInfo) -> bytes:
     """A refused proposal: the propose reply with its error."""
     return _reply(ProposeReply(error=error))
@@ -159,8 +170,11 @@ def _failed(error: ErrorInfo, operation_id: str | None = None) -> bytes:
     return _reply(ErrorEnvelope(error=error, meta=meta))
 
 
-def relay_ports(ledger: Ledger) -> RelayPorts:
-    """The relay's ports on a real ledger: the composition root's one look inside it."""
+def relay_ports(
+    ledger: Ledger, observe: Callable[[Sequence[StoredRow]], object] | None = None
+) -> RelayPorts:
+    """The relay's ports on a real ledger: the composition root's one look inside it
+    (`observe`: who else reads each batch of events, the plan follower)."""
     catalog = ledger.checker.catalog
 
     def sensitive_arguments(tool: str) -> tuple[str, ...]:
@@ -184,16 +198,24 @@ def relay_ports(ledger: Ledger) -> RelayPorts:
         final_states=frozenset(state.value for state in TERMINAL_STATES),
         last_position=ledger.event_reader.last_position,
         prefetch=ledger.status_reader.prefetch,
+        observe=observe,
     )
 
 
 def build_relay(
-    gateway: LedgerGateway, nc: Client, *, relay: Callable[..., Relay] = Relay, **options: Any
+    gateway: LedgerGateway,
+    nc: Client,
+    *,
+    relay: Callable[..., Relay] = Relay,
+    observe: Callable[[Sequence[StoredRow]], object] | None = None,
+    **options: Any,
 ) -> Relay:
     """A relay over `gateway`'s ledger, publishing on `nc` (`options`: `Relay`'s keywords;
-    `relay`: the class, or a factory taking `Relay`'s arguments)."""
+    `relay`: the class, or a factory taking `Relay`'s arguments; `observe`: see
+    `relay_ports`)."""
     ledger = gateway.ledger
-    return relay(gateway, nc, relay_ports(ledger), RelayPositions(ledger.db), **options)
+    ports = relay_ports(ledger, observe)
+    return relay(gateway, nc, ports, RelayPositions(ledger.db), **options)
 
 
 def _record_span(message: Any, envelope: ResultEnvelope) -> Span:
@@ -280,6 +302,7 @@ class LedgerService:
         self._results: PullConsumer | None = None
         self._requests: RequestServer | None = None
         self._redispatcher: Redispatcher | None = None
+        self._plans = PlanFollower()
 
     async def _on_reconnected(self) -> None:
         # The server dropped the results consumer's open pull requests.
@@ -302,6 +325,7 @@ class LedgerService:
         await requests.serve(Subjects.all_proposals(), self._on_propose, error_reply=_refused)
         await requests.serve(Subjects.all_status_requests(), self._on_status)
         await requests.serve(Subjects.all_cancel_requests(), self._on_cancel)
+        await requests.serve(Subjects.all_plan_requests(), self._on_plan)
         await requests.serve(Subjects.all_tool_requests(), self._on_tools)
         await requests.serve(Subjects.all_operator_requests(), self._on_operate)
         await requests.serve(Subjects.all_approver_requests(), self._on_approve)
@@ -336,6 +360,22 @@ class LedgerService:
                 return _failed(error.to_info(), request.operation_id)
             span.set_attribute(TraceAttr.STATE, status.state)
             return _reply(status)
+
+    async def _on_plan(self, body: bytes, host: str) -> bytes:
+        try:
+            request = PlanRequest.model_validate_json(body)
+        except ValidationError as exc:
+            return _failed(_invalid(exc))
+        if request.context is not None and not self._tenant_allowed(host, request.context):
+            return _failed(_TENANT_NOT_ALLOWED, request.asked_id)
+        try:
+            return _reply(await self._gateway.plan(request, host))
+        except OpledgerError as error:
+            return _failed(error.to_info(), request.asked_id)
+
+    def _tenant_allowed(self, host: str, context: RuntimeContext) -> bool:
+        allowed = self.options.allowed_tenants
+        return allowed is None or context.tenant in allowed.get(host, frozenset())
 
     async def _on_tools(self, body: bytes, host: str) -> bytes:  # noqa: ARG002
         try:
@@ -374,7 +414,7 @@ class LedgerService:
         # Who decides is the subject's name (the broker let only that identity
         # publish there), with the roles this service was configured with.
         roles = self.options.approver_roles.get(approver, frozenset())
-        with self._operation_span("opledger.approval", request.operation_id) as span:
+        with self._operation_span("opledger.approval", request.decided_id) as span:
             span.set_attributes(
                 {
                     TraceAttr.APPROVAL_ACTION: request.command,
@@ -388,7 +428,7 @@ class LedgerService:
                 status = await self._gateway.decide(request, approver, roles)
             except OpledgerError as error:
                 _refusal(span, error.to_info())
-                return _failed(error.to_info(), request.operation_id)
+                return _failed(error.to_info(), request.decided_id)
             span.set_attribute(TraceAttr.STATE, status.state)
             return _reply(status)
 
@@ -417,15 +457,8 @@ class LedgerService:
             envelope = ProposalEnvelope.model_validate_json(body)
         except ValidationError as exc:
             return ProposeReply(error=_invalid(exc))
-        allowed = self.options.allowed_tenants
-        if allowed is not None and envelope.context.tenant not in allowed.get(host, frozenset()):
-            return ProposeReply(
-                error=ErrorInfo(
-                    code="TENANT_NOT_ALLOWED",
-                    category=ErrorCategory.UNAUTHORIZED,
-                    message="this host may not act for that tenant",
-                )
-            )
+        if not self._tenant_allowed(host, envelope.context):
+            return ProposeReply(error=_TENANT_NOT_ALLOWED)
         proposal = envelope.proposal
         with tracer().start_as_current_span(
             "opledger.check",
@@ -558,11 +591,23 @@ class LedgerService:
             try:
                 await self._gateway.call(self.ledger.expire_approvals)
                 await self._gateway.call(self.ledger.expire_leases)
+                # Every open plan now and then: whatever the follower missed (a restart,
+                # a takeover of the relay), and plan approvals that expired.
+                await self._gateway.advance_plans(sorted(self._plans.running))
                 self._gateway.written.set()
                 if self._redispatcher is not None:
                     await self._redispatcher.sweep()
             except Exception as exc:
                 log_failure(_log, "sweep failed", exc)
+
+    async def _advance_plans(self) -> None:
+        """Move on the plans whose steps the relay saw change, as they change."""
+        while True:
+            await self._plans.marked.wait()
+            try:
+                await self._gateway.advance_plans(self._plans.take_marked())
+            except Exception as exc:
+                log_failure(_log, "advancing plans failed", exc)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -579,7 +624,11 @@ class LedgerService:
         if self.options.metrics_port is not None:
             metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.metrics = metrics
-        self.relay = build_relay(self.gateway, nc, metrics=metrics, instance=self.options.instance)
+        self.relay = build_relay(
+            self.gateway, nc, metrics=metrics, instance=self.options.instance,
+            observe=self._plans.observe,
+        )
+        self._plans.know(await self.gateway.call(self.ledger.plans.open_ids))
         self.relay.start()
         if self.options.redispatch_after is not None:
             catalog = self.ledger.checker.catalog
@@ -597,6 +646,7 @@ class LedgerService:
         self._tasks = [
             loop.create_task(self._consume_results(nc), name="ledger-results"),
             loop.create_task(self._sweep(), name="ledger-sweeps"),
+            loop.create_task(self._advance_plans(), name="ledger-plans"),
         ]
 
     async def stop(self) -> None:

@@ -40,6 +40,8 @@ from schemas import (
     LeaseRequest,
     OperationStatus,
     OperatorRequest,
+    PlanRequest,
+    PlanStatus,
     ProposalEnvelope,
     ProposeReply,
     ResultEnvelope,
@@ -91,6 +93,13 @@ CHANNELS: tuple[Channel, ...] = (
     Channel("cancel", _address(Subjects.cancel, "host"), CancelRequest, received=True,
             description="A host cancels one of its own operations (request/reply); the"
             " answer is its status after the cancel (`status_reply`) or `request_refused`."),
+    Channel("plan", _address(Subjects.plan, "host"), PlanRequest, received=True,
+            description="A host proposes a plan of tool calls (checked, approved and run as"
+            " one unit), asks where one stands, or cancels one (request/reply); answered"
+            " with `plan_reply` or `request_refused`."),
+    Channel("plan_reply", _REPLY, PlanStatus, received=False,
+            description="Where a plan stands, with its step table (each step an operation"
+            " of the host, announced on `outcome` like any other)."),
     Channel("tools", _address(Subjects.tools, "host"), ToolsRequest, received=True,
             description="A host asks for the tools a caller with the given capabilities may"
             " call, as OpenAI, Anthropic or MCP definitions (request/reply)."),
@@ -102,7 +111,8 @@ CHANNELS: tuple[Channel, ...] = (
             " operation ID (request/reply); answered with its status or `request_refused`."),
     Channel("approve", _address(Subjects.approve, "approver"), ApproverRequest, received=True,
             description="An approver approves (naming the proposal hash shown) or denies a"
-            " call, by the ledger's operation ID (request/reply). Who decides is the"
+            " call, by the ledger's operation ID, or a whole plan, by its `plan_id` (the"
+            " hash shown is then the plan's) (request/reply). Who decides is the"
             " approver whose subject it is, with the roles the ledger's configuration gives"
             " them; answered with the operation's status or `request_refused`."),
     Channel("lease", _address(Subjects.lease, "tool"), LeaseRequest, received=True,

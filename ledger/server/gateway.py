@@ -31,6 +31,7 @@ import psycopg
 from eventsourcing.persistence import IntegrityError, PersistenceError
 
 from ledger.domain.errors import InvalidArgument, LedgerError
+from ledger.domain.plan import plan_ledger_id
 from ledger.domain.states import ResultDisposition
 from ledger.service import Ledger, Submission, SubmitItem
 from schemas import (
@@ -40,6 +41,8 @@ from schemas import (
     OperationStatus,
     OperatorRequest,
     OpledgerError,
+    PlanRequest,
+    PlanStatus,
     PreviewReport,
     ResultEnvelope,
     ledger_operation_id,
@@ -175,14 +178,18 @@ class LedgerGateway:
 
     async def decide(
         self, request: ApproverRequest, approver: str, roles: frozenset[str]
-    ) -> OperationStatus:
-        """An approver approves or denies (recorded as `approver`, with `roles`, via
-        NATS); the status after. A refusal is recorded, then raised."""
+    ) -> OperationStatus | PlanStatus:
+        """An approver approves or denies a call or a plan (recorded as `approver`, with
+        `roles`, via NATS); the status after. A refusal is recorded, then raised."""
+        if request.command == "approve" and request.proposal_hash is None:
+            raise InvalidArgument(
+                "an approval names the hash it was shown (`proposal_hash`)"
+            )
+        if request.plan_id is not None:
+            return self._decide_plan(request, request.plan_id, approver, roles)
+        assert request.operation_id is not None
         if request.command == "approve":
-            if request.proposal_hash is None:
-                raise InvalidArgument(
-                    "an approval names the proposal hash it was shown (`proposal_hash`)"
-                )
+            assert request.proposal_hash is not None
             self.ledger.approve(
                 request.operation_id,
                 approver=approver,
@@ -201,6 +208,51 @@ class LedgerGateway:
             )
         self.written.set()  # a call that became ready is dispatched now, not at the next poll
         return self.ledger.status(request.operation_id)
+
+    def _decide_plan(
+        self, request: ApproverRequest, plan_id: str, approver: str, roles: frozenset[str]
+    ) -> PlanStatus:
+        ledger_id = plan_ledger_id(plan_id)
+        if request.command == "approve":
+            assert request.proposal_hash is not None
+            status = self.ledger.approve_plan(
+                ledger_id, approver=approver, approver_roles=roles,
+                plan_hash=request.proposal_hash, via="nats",
+            )
+        else:
+            status = self.ledger.deny_plan(
+                ledger_id, approver=approver, approver_roles=roles, reason=request.reason,
+                via="nats",
+            )
+        self.written.set()  # the steps it released are dispatched now
+        return status
+
+    async def plan(self, request: PlanRequest, host: str) -> PlanStatus:
+        """A host proposes a plan, asks where one stands, or cancels one; its status,
+        in the host's namespace."""
+        if request.command == "propose":
+            assert request.plan is not None and request.context is not None
+            status = self.ledger.propose_plan(request.plan, request.context, host)
+            self.written.set()
+            return status
+        plan_id = request.asked_id
+        if request.command == "cancel":
+            ledger_id = self.ledger.plans.ledger_id(host, plan_id)
+            self.ledger.plan_status(plan_id, host=host)  # another host's plan is not found
+            self.ledger.cancel_plan(ledger_id, by=f"host:{host}", reason=request.reason)
+            self.written.set()
+        return self.ledger.plan_status(plan_id, host=host)
+
+    async def advance_plans(self, plan_ids: Sequence[str]) -> None:
+        """Move these plans on (their steps changed): release, skip, settle."""
+        for plan_id in plan_ids:
+            try:
+                self.ledger.advance_plan(plan_id)
+            except OpledgerError as error:
+                _log.warning("plan %s could not advance: %s", plan_id, error)
+            except Exception:
+                _log.exception("plan %s could not advance", plan_id)
+        self.written.set()
 
     async def record_many(
         self, envelopes: Sequence[ResultEnvelope]

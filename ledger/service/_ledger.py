@@ -25,6 +25,7 @@ from ledger.service._approvals import Approvals
 from ledger.service._audit import Audit
 from ledger.service._contracts import PinnedContracts
 from ledger.service._leasing import Leasing
+from ledger.service._plans import Planning
 from ledger.service._read_models import ReadModels
 from ledger.service._results import ResultRecording
 from ledger.service._runner import CommandRunner
@@ -88,9 +89,12 @@ class Ledger:
             kept_rejected_bytes=kept_rejected_bytes,
         )
         self.approvals = Approvals(self.runner, clock=clock)
+        self.status_reader = StatusReader(self.runner, self.results)
+        self.plans = Planning(
+            self.runner, checker, self.submissions, self.status_reader, clock=clock, budget=budget
+        )
         self.leasing = Leasing(self.runner, self.contracts, clock=clock, lease_grace=lease_grace)
         self.recording = ResultRecording(self.runner, self.contracts, self.results, clock=clock)
-        self.status_reader = StatusReader(self.runner, self.results)
         self.settling = Settling(self.runner, clock=clock)
         self.sweeps = Sweeps(
             self.runner, self.projector, clock=clock, refresh=self.read_models.refresh
@@ -110,6 +114,13 @@ class Ledger:
         self.seal_now = self.read_models.seal_now
         self.submit_many = self.submissions.submit_many
         self.retry = self.submissions.retry
+        self.propose_plan = self.plans.propose
+        self.plan_status = self.plans.status
+        self.approve_plan = self.plans.approve
+        self.deny_plan = self.plans.deny
+        self.cancel_plan = self.plans.cancel
+        self.retry_plan = self.plans.retry
+        self.advance_plan = self.plans.advance
         self.approve = self.approvals.approve
         self.deny = self.approvals.deny
         self.lease_many = self.leasing.lease_many

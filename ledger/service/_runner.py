@@ -46,6 +46,7 @@ from ledger.adapters.event_tables import EventTableReader
 from ledger.adapters.eventstore import EventStoreApp
 from ledger.domain.errors import LedgerError, OperationConflict, OperationNotFound
 from ledger.domain.operation import Operation
+from ledger.domain.plan import Plan
 from schemas import OpledgerError
 
 __all__ = ["Command", "CommandRunner", "OneAppendAbandoned"]
@@ -150,11 +151,14 @@ class CommandRunner:
 
     # ------------------------------------------------------------------- saving
 
-    def save(self, *operations: Operation) -> None:
+    def save(self, *operations: Operation | Plan) -> None:
         """Append the new events of `operations` atomically, and remember them (inside
-        `one_append`: at the block's end, with everything else the block saved)."""
+        `one_append`: at the block's end, with everything else the block saved). A
+        plan is saved with the operations of its steps; it is never cached here."""
         if self._held is not None:
             for operation in operations:
+                if not isinstance(operation, Operation):
+                    raise OneAppendAbandoned("a plan is saved on its own, never in a block")
                 held = self._held.setdefault(operation.id, operation)
                 if held is not operation:
                     # Two copies of one operation with changes of their own: they
@@ -169,7 +173,8 @@ class CommandRunner:
             raise
         with self._cache_lock:
             for operation in operations:
-                self._cache.remember(operation.id, operation, operation.history_bytes)
+                if isinstance(operation, Operation):
+                    self._cache.remember(operation.id, operation, operation.history_bytes)
 
     def forget(self, *operation_ids: str) -> None:
         """Drop cached copies (after a failed command or append)."""

@@ -28,6 +28,7 @@ from schemas import (
     CheckStage,
     Decision,
     DecisionOutcome,
+    RiskLevel,
     RuntimeContext,
     ToolProposal,
     ValidationIssue,
@@ -37,9 +38,30 @@ from schemas import (
     sha256_hex,
 )
 
-__all__ = ["Submission", "Submissions", "SubmitItem", "effect_preview", "fingerprint"]
+__all__ = [
+    "StepOf",
+    "Submission",
+    "Submissions",
+    "SubmitItem",
+    "effect_preview",
+    "fingerprint",
+]
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOf:
+    """The plan an operation being built is a step of, and what its approval covers."""
+
+    plan_id: str
+    step: str
+    approval_id: str | None
+    """The plan's approval (None: the plan needed none, so none covers the step)."""
+    approvers: tuple[str, ...]
+    approved_risk: RiskLevel
+    """The step's risk as the plan's approvers saw it: a riskier call (a value that
+    arrived from an earlier step's result) is not theirs to have approved."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +330,32 @@ class Submissions:
                 self._budget.clear_pending()
         return Submission(operation.id, operation.state, decision, True)
 
+    def step_operation(
+        self,
+        operation_id: str,
+        proposal: ToolProposal,
+        context: RuntimeContext,
+        host: str,
+        step_of: StepOf,
+    ) -> tuple[Operation, Decision]:
+        """The operation of a released plan step, built and checked but not saved (the
+        plan saves it together with its `StepReleased`). Its arguments are the step's
+        with every reference replaced by the value it names, checked in full like any
+        call; the plan's approval stands in for its own only while the step is no
+        riskier than when the plan was approved and its contract asks for no preview."""
+        try:
+            return self._new_operation(
+                operation_id,
+                proposal,
+                context,
+                fingerprint(proposal, context, host),
+                host,
+                step_of=step_of,
+            )
+        finally:
+            if self._budget is not None:
+                self._budget.clear_pending()
+
     def _submit_after_race(self, item: SubmitItem) -> Submission | LedgerError:
         proposal, context, host, _ = _unpack(item)
         if proposal.operation_id is not None:
@@ -383,6 +431,7 @@ class Submissions:
         repaired: dict[str, Operation] | None = None,
         trace_parent: str | None = None,
         retries: tuple[str, str] | None = None,
+        step_of: StepOf | None = None,
     ) -> tuple[Operation, Decision]:
         pending_repair: list[Operation] = []
         operation, decision = self._build_operation(
@@ -395,6 +444,7 @@ class Submissions:
             pending_repair,
             trace_parent,
             retries,
+            step_of,
         )
         for target in pending_repair:
             assert repaired is not None
@@ -413,6 +463,7 @@ class Submissions:
         pending_repair: list[Operation],
         trace_parent: str | None = None,
         retries: tuple[str, str] | None = None,
+        step_of: StepOf | None = None,
     ) -> tuple[Operation, Decision]:
         now = self._clock()
         target, depth, refusal = self._repair_link(proposal, host, operation_id, repaired)
@@ -472,6 +523,8 @@ class Submissions:
             trace_parent=trace_parent,
             retries=retries[0] if retries else None,
             proposed_by=retries[1] if retries else None,
+            plan=step_of.plan_id if step_of is not None else None,
+            step=step_of.step if step_of is not None else None,
         )
         if target is not None and repaired is not None:
             # Noted once the repairing operation is built (below): a proposal that
@@ -511,6 +564,15 @@ class Submissions:
         )
         if decision.approval is None:
             operation.mark_ready(now)
+        elif (
+            step_of is not None
+            and step_of.approval_id is not None
+            and step_of.approved_risk.at_least(decision.risk)
+            and not contract.approval.preview
+        ):
+            operation.mark_ready_in_plan(
+                approval_id=step_of.approval_id, approvers=list(step_of.approvers), now=now
+            )
         else:
             operation.request_approval(
                 approval_id=f"apr-{uuid.uuid4().hex[:16]}",

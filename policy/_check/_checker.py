@@ -42,6 +42,17 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _known(issues: Sequence[ValidationIssue], deferred: frozenset[str]) -> list[ValidationIssue]:
+    """`issues` but those about an argument whose value is not known yet."""
+    if not deferred:
+        return list(issues)
+    return [
+        issue
+        for issue in issues
+        if not any(issue.path == at or issue.path.startswith(f"{at}/") for at in deferred)
+    ]
+
+
 class ProposalChecker:
     """Runs the layered check on proposals against one pinned catalog.
 
@@ -72,16 +83,25 @@ class ProposalChecker:
         }
 
     def check(
-        self, proposal: ToolProposal | Mapping[str, Any], context: RuntimeContext
+        self,
+        proposal: ToolProposal | Mapping[str, Any],
+        context: RuntimeContext,
+        *,
+        deferred: frozenset[str] = frozenset(),
     ) -> Decision:
-        """Decide on one proposal: ready, needs approval, or rejected."""
+        """Decide on one proposal: ready, needs approval, or rejected.
+
+        `deferred`: JSON pointers of arguments whose values are not known yet (a
+        plan's step that takes a field of an earlier step's result); findings
+        at or under them are left for the check of the step with its values.
+        """
         try:
             if not isinstance(proposal, ToolProposal):
                 try:
                     proposal = ToolProposal.model_validate(proposal)
                 except ValidationError as exc:
                     return _malformed_envelope(proposal, exc)
-            return self._check(proposal, context)
+            return self._check(proposal, context, deferred)
         except Exception:
             _log.exception("proposal check failed")
             proposal_id = proposal.proposal_id if isinstance(proposal, ToolProposal) else ""
@@ -100,7 +120,9 @@ class ProposalChecker:
                 ],
             )
 
-    def _check(self, proposal: ToolProposal, context: RuntimeContext) -> Decision:
+    def _check(
+        self, proposal: ToolProposal, context: RuntimeContext, deferred: frozenset[str]
+    ) -> Decision:
         arguments, issues = parse_arguments(proposal.arguments, self.limits)
         contract = self.catalog.get(proposal.tool_name)
         if contract is None:
@@ -127,7 +149,7 @@ class ProposalChecker:
             return self._reject(proposal, contract, issues)
 
         normalized, applied = apply_defaults(contract.input_schema, arguments)
-        issues = self._schemas[contract.name].issues(normalized)
+        issues = _known(self._schemas[contract.name].issues(normalized), deferred)
         if issues:
             return self._reject(proposal, contract, issues)
         try:
@@ -167,6 +189,7 @@ class ProposalChecker:
                 rules=self._rules.get(contract.name, ()),
                 now=now,
             )
+            issues = _known(issues, deferred)
         if issues:
             return self._reject(proposal, contract, issues, normalized, applied, hashed)
 

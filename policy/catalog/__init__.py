@@ -30,6 +30,7 @@ from schemas import CheckStage, ErrorCategory, ValidationIssue
 
 __all__ = [
     "CATALOG_DIR",
+    "FILES_CATALOG_DIR",
     "MAX_SPAN_CHARS",
     "SAMPLE_RULES",
     "SAMPLE_TARGETS_FILE",
@@ -47,6 +48,11 @@ __all__ = [
 
 CATALOG_DIR: Path = Path(__file__).resolve().parent
 """The directory of the sample contract files, one `<tool>.yaml` per tool."""
+
+FILES_CATALOG_DIR: Path = CATALOG_DIR / "files"
+"""The file-sharing sample tools of the plan examples (seed 001): `create_folder`,
+`write_file`, `grant_access`, `notify_user` and their compensations. A catalog of its
+own, so that the sample catalog above stays what it was."""
 
 SAMPLE_TARGETS_FILE: Path = CATALOG_DIR / "world" / "targets.json"
 """The sample world's targets as data: a JSON array of `Target` fields, one target a line.

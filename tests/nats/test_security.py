@@ -33,7 +33,7 @@ def test_permissions_are_exactly_the_documented_ones() -> None:
     assert permissions_for(Role.LEDGER, "ledger") == Permissions(
         publish=("$JS.API.>", "ops.exec.>", "ops.feed.>", "ops.outcome.>", "$JS.ACK.>"),
         subscribe=(
-            "ops.propose.*", "ops.status.*", "ops.cancel.*", "ops.tools.*", "ops.operate.*",
+            "ops.propose.*", "ops.status.*", "ops.cancel.*", "ops.plan.*", "ops.tools.*", "ops.operate.*",
             "ops.approve.*", "ops.lease.*",
             "_INBOX_ledger_ledger.>",
         ),
@@ -46,7 +46,9 @@ def test_permissions_are_exactly_the_documented_ones() -> None:
         publish=("ops.operate.ops-lead",), subscribe=("_INBOX_operator_ops-lead.>",),
     )
     assert permissions_for(Role.HOST, "h1") == Permissions(
-        publish=("ops.propose.h1", "ops.status.h1", "ops.cancel.h1", "ops.tools.h1"),
+        publish=(
+            "ops.propose.h1", "ops.status.h1", "ops.cancel.h1", "ops.plan.h1", "ops.tools.h1"
+        ),
         subscribe=("ops.outcome.h1.>", "_INBOX_host_h1.>"),
     )
     # Acks: exactly 9 (v1) and exactly 11 (v2) tokens, every one but the five

@@ -76,6 +76,6 @@ def test_each_payload_is_its_models_published_json_schema(
 
 def test_every_wire_message_has_a_channel() -> None:
     sent = {channel.model for channel in CHANNELS}
-    # The proposal, runtime context, decision and validation issue travel inside others.
-    parts = {"proposal", "runtime-context", "decision", "validation-issue"}
+    # The proposal, runtime context, decision, validation issue and plan travel inside others.
+    parts = {"proposal", "runtime-context", "decision", "validation-issue", "plan-proposal"}
     assert {model for name, model in WIRE_MODELS.items() if name not in parts} == sent

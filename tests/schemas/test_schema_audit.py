@@ -30,6 +30,7 @@ from schemas import (
     LeaseDecision,
     OperationStatus,
     OperatorRequest,
+    PlanRequest,
     RiskLevel,
     ToolsRequest,
     TrustLabel,
@@ -143,11 +144,25 @@ def _operation_event_names() -> list[str]:
     return names
 
 
+def _plan_event_names() -> list[str]:
+    """The event classes nested in `Plan`, in the order the class declares them."""
+    from ledger.domain.events import LedgerEvent
+    from ledger.domain.plan import Plan
+
+    return [
+        value.__name__
+        for name, value in vars(Plan).items()
+        if isinstance(value, type) and issubclass(value, LedgerEvent) and name != "Event"
+    ]
+
+
 def _sources(name: str) -> dict[str, list[str]]:
     sources = dict(ENUM_SOURCES)
-    sources["/type"] = _operation_event_names()
+    sources["/type"] = _operation_event_names() + _plan_event_names()
     if name == "operator-request":
         sources["/command"] = _literal_values(OperatorRequest.model_fields["command"].annotation)
+    if name == "plan-request":
+        sources["/command"] = _literal_values(PlanRequest.model_fields["command"].annotation)
     if name == "approver-request":
         sources["/command"] = _literal_values(ApproverRequest.model_fields["command"].annotation)
     if name in ("tools-request", "tools-reply"):

@@ -32,7 +32,7 @@ from ledger.domain.states import TERMINAL_STATES, OperationState
 from ledger.domain.values import OutcomeStatus
 from ledger.server.app import LedgerService, ServiceOptions, relay_ports
 from ledger.server.gateway import LedgerGateway
-from ledger.server.relay import messages_for
+from ledger.server.relay import messages_for, plan_route
 from schemas import (
     CANCELLED_BEFORE_EFFECT,
     RECONCILE_UNSUPPORTED,
@@ -198,6 +198,16 @@ class Stack:
         body = orjson.dumps(self.wire.saw("approver-request", orjson.dumps(request)))
         return self._status_or_error(await self.service._on_approve(body, APPROVER))
 
+    async def plan(self, request: dict[str, Any]) -> Any:
+        body = orjson.dumps(self.wire.saw("plan-request", orjson.dumps(request)))
+        answer = await self.service._on_plan(body, HOST)
+        return self.wire.saw("plan-status" if b'"final"' in answer else "error-envelope", answer)
+
+    async def decide_plan(self, request: dict[str, Any]) -> Any:
+        body = orjson.dumps(self.wire.saw("approver-request", orjson.dumps(request)))
+        answer = await self.service._on_approve(body, APPROVER)
+        return self.wire.saw("plan-status" if b'"final"' in answer else "error-envelope", answer)
+
     async def lease(self, request: dict[str, Any], tool: str) -> Any:
         body = orjson.dumps(self.wire.saw("lease-request", orjson.dumps(request)))
         answer = await self.service._lease(body, tool)
@@ -235,7 +245,7 @@ class Stack:
         for row in rows:
             for message in messages_for(
                 row,
-                routes[row[1]],
+                routes[row[1]] if row[1] in routes else plan_route(row[1]),
                 limit=1024 * 1024,
                 sensitive=ports.sensitive_arguments,
                 final_status=final_status,
@@ -475,6 +485,37 @@ async def _scenario(stack: Stack) -> None:
     stack.ledger.expire_approvals()
     assert (await stack.status("op-late"))["state"] == "approval_expired"
     stack.relay()
+    await _plan_scenario(stack)
+
+
+async def _plan_scenario(stack: Stack) -> None:
+    """Plans: proposed, refused, approved as a whole, asked about and cancelled."""
+    search = {"query": "refund policy"}
+    steps = [
+        {"step": "find", "operation_id": "op-plan-find", "tool_name": "search_documents",
+         "arguments": search},
+        {"step": "tell", "operation_id": "op-plan-tell", "tool_name": EMAIL,
+         "arguments": EMAIL_ARGUMENTS, "depends_on": ["find"]},
+    ]
+    plan = {"plan_id": "plan-1", "conversation_id": "c-1", "requested_by_user_id": "alice",
+            "steps": steps}
+    proposed = await stack.plan({"command": "propose", "plan": plan, "context": ALICE})
+    assert proposed["state"] == "awaiting_approval", proposed
+    cycle = {**plan, "plan_id": "plan-cycle",
+             "steps": [{**steps[0], "operation_id": "op-c1", "depends_on": ["find"]}]}
+    refused = await stack.plan({"command": "propose", "plan": cycle, "context": ALICE})
+    assert refused["state"] == "rejected" and refused["issues"][0]["code"] == "plan_cycle"
+    approved = await stack.decide_plan(
+        {"command": "approve", "plan_id": "h1/plan-1", "proposal_hash": proposed["plan_hash"]}
+    )
+    assert approved["state"] == "running", approved
+    asked = await stack.plan({"command": "status", "plan_id": "plan-1"})
+    assert [row["state"] for row in asked["steps"]] == ["ready", "waiting"]
+    cancelled = await stack.plan({"command": "cancel", "plan_id": "plan-1", "reason": "done"})
+    assert cancelled["cancel_requested"] is True
+    unknown = await stack.plan({"command": "status", "plan_id": "no-such-plan"})
+    assert unknown["error"]["code"] == "PLAN_NOT_FOUND"
+    stack.relay()  # the plans' events on the feed
 
 
 async def test_every_message_the_code_sends_matches_its_published_schema(
@@ -491,7 +532,7 @@ async def test_the_scenario_covers_every_message_state_and_decision(
 ) -> None:
     await _scenario(stack)
     seen = {name for name, _ in wire.messages}
-    parts = {"proposal", "runtime-context", "decision", "validation-issue"}
+    parts = {"proposal", "runtime-context", "decision", "validation-issue", "plan-proposal"}
     assert set(WIRE_MODELS) - parts <= seen
     statuses = wire.of("operation-status")
     states = {s["state"] for s in statuses} | {r["state"] for r in wire.of("propose-reply")}

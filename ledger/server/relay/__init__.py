@@ -22,7 +22,13 @@ Its parts, each in its own module:
 """
 
 from ledger.server.relay._relay import Relay, RelayPorts
-from ledger.server.relay.messages import RelayMessage, Route, learn_routes, messages_for
+from ledger.server.relay.messages import (
+    RelayMessage,
+    Route,
+    learn_routes,
+    messages_for,
+    plan_route,
+)
 from ledger.server.relay.position import (
     SET_ASIDE_TABLE,
     RelayPositions,
@@ -43,5 +49,6 @@ __all__ = [
     "SetAsideRecord",
     "learn_routes",
     "messages_for",
+    "plan_route",
     "read_set_aside",
 ]

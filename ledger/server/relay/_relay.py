@@ -72,6 +72,9 @@ class RelayPorts:
     prefetch: Callable[[Sequence[str]], object] | None = None
     """operation IDs whose statuses `status` is about to be asked for → read what they
     need in one go (one round trip per batch, not per outcome notice); None: nothing."""
+    observe: Callable[[Sequence[StoredRow]], object] | None = None
+    """Every batch of events the relay read, before it is published (the plan follower
+    learns from it which plans have steps that moved); None: nobody."""
 
 
 class Relay:
@@ -238,6 +241,11 @@ class Relay:
                 self._metrics.relay_lag.set(0)
             return None, [], False
         learn_routes(rows, self._routes)
+        if ports.observe is not None:
+            try:
+                ports.observe(rows)
+            except Exception:  # an observer never costs the events their publication
+                _log.exception("relay: the observer of a batch failed")
         missing = {row[1] for row in rows if row[1] not in self._routes}
         now = time.monotonic()
         if missing or now - self._refreshed_at >= _REFRESH_EVERY_S:

@@ -24,6 +24,7 @@ from ledger._recent import Recent
 from ledger.adapters.event_tables import StoredRow
 from ledger.audit.export import feed_record
 from ledger.domain.event_kinds import event_kind
+from ledger.domain.plan import PLAN_FEED_TOKEN, is_plan_id, plan_host
 from schemas import (
     GenAI,
     OperationStatus,
@@ -46,6 +47,7 @@ __all__ = [
     "SensitiveArguments",
     "learn_routes",
     "messages_for",
+    "plan_route",
 ]
 
 _log = logging.getLogger(__name__)
@@ -83,13 +85,23 @@ class RelayMessage:
     """Headers besides the `Nats-Msg-Id` (a work item's trace context)."""
 
 
+def plan_route(plan_id: str) -> Route:
+    """A plan's route: its events go to the feed under `_plan`, its host from its ID."""
+    return (PLAN_FEED_TOKEN, None, plan_host(plan_id), None)
+
+
 def learn_routes(rows: Iterable[StoredRow], routes: Recent[str, Route]) -> None:
-    """Note each operation's tool, tool version and host from the events that name them.
+    """Note each operation's tool, tool version and host from the events that name them
+    (a plan's route is its ID's: `plan_route`).
 
     The relay reads every event anyway; keeping these three facts saves
     bringing the operations view up to date (a transaction) per batch.
     """
     for _, operation_id, _, topic, stored in rows:
+        if is_plan_id(operation_id):
+            if operation_id not in routes:
+                routes.remember(operation_id, plan_route(operation_id))
+            continue
         kind = topic.rsplit(".", 1)[-1]
         try:
             if kind == "Proposed":
@@ -128,7 +140,12 @@ def messages_for(
     """The messages one event means, each within `limit` bytes; raises if it has none."""
     tool, tool_version, host, trace_parent = route
     operation_id, version = row[1], row[2]
-    record = feed_record(row, tuple(sensitive(tool)))
+    if tool == PLAN_FEED_TOKEN:
+        # A plan's event: on the feed only, each step's arguments hashed by its tool's
+        # sensitive pointers. Its steps are operations with their own messages.
+        record = feed_record(row, (), sensitive_of=lambda name: tuple(sensitive(name)))
+    else:
+        record = feed_record(row, tuple(sensitive(tool)))
     kind = record["type"]
     if observe is not None:
         try:
@@ -151,7 +168,7 @@ def messages_for(
             row=row,
         )
     ]
-    registered = event_kind(kind)
+    registered = None if tool == PLAN_FEED_TOKEN else event_kind(kind)
     if registered is not None and registered.dispatches and tool_version:
         item = _work_item(record["event"], registered.dispatches, operation_id, tool, tool_version)
         messages.append(
