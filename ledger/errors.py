@@ -25,6 +25,7 @@ from ledger.domain.errors import (
     TamperDetected,
 )
 from ledger.embedded import StackNotRunning, StackStartError
+from ledger.mcp import McpConfigError, RequestStateRefused, UpstreamUnavailable
 from ledger.nats.errors import (
     CredentialsError,
     FeedAccessDenied,
@@ -52,6 +53,7 @@ __all__ = [
     "InvalidProposal",
     "LedgerError",
     "LedgerUnavailable",
+    "McpConfigError",
     "NatsServerNotFound",
     "NatsServerStartError",
     "NatsSetupError",
@@ -64,6 +66,7 @@ __all__ = [
     "OutcomeTimeout",
     "PlanNotFound",
     "RequestRefused",
+    "RequestStateRefused",
     "ResultIntegrityError",
     "SealKeyError",
     "SealRefused",
@@ -72,4 +75,5 @@ __all__ = [
     "TamperDetected",
     "TopologyError",
     "UnknownIdentity",
+    "UpstreamUnavailable",
 ]

@@ -106,6 +106,15 @@ def parse_contract(document: Any, source: str = "") -> ToolContract:
     """Validate one contract document (already parsed from YAML or JSON)."""
     if not isinstance(document, dict):
         raise ContractError("a contract must be a mapping", source=source)
+    if "draft" in document:
+        # A draft (e.g. imported from a tool server's self-description) lacks what only
+        # an operator can decide: refused by name, not by whichever field fails first.
+        raise ContractError(
+            "a draft contract: complete every field it marks FILL IN, then delete its"
+            " `draft:` block",
+            source=source,
+            pointer="/draft",
+        )
     for field in ("input_schema", "output_schema"):
         if field in document:
             _check_schema(document[field], field, source)

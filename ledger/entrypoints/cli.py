@@ -111,6 +111,7 @@ from ledger.entrypoints.views import (
     timeline_entry,
 )
 from ledger.entrypoints.webpage import add_web_command
+from ledger.mcp.cli import add_mcp_command
 from ledger.server.relay import read_set_aside
 from ledger.service import Ledger
 from schemas import DIGEST_PATTERN, ErrorCategory, OpledgerError
@@ -280,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_process_commands(groups, common)
     add_web_command(groups, common)
     add_tools_command(groups, common)
+    add_mcp_command(groups, common)
     status = _leaf(
         groups,
         "status",

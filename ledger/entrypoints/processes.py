@@ -20,6 +20,7 @@ from executors import add_run_arguments, run_executor
 from ledger import StorageConfig
 from ledger.config import ConfigError, Settings
 from ledger.entrypoints.parsing import EXIT_OK, EXIT_REFUSED
+from ledger.mcp.cli import add_executor_mcp
 from ledger.server.main import add_serve_arguments, run_service
 
 if TYPE_CHECKING:
@@ -223,6 +224,7 @@ def _add_executor(commands: Any, common: argparse.ArgumentParser) -> None:
         help="contract directory (default: $OPLEDGER_CONTRACTS_DIR, else the samples)",
     )
     run.set_defaults(run=_executor)
+    add_executor_mcp(actions, common)
 
 
 def _executor(args: argparse.Namespace, settings: Settings) -> int:

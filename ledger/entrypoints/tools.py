@@ -19,6 +19,7 @@ from typing import Any
 
 from ledger.config import ConfigError, Settings
 from ledger.entrypoints.parsing import EXIT_OK
+from ledger.mcp.cli import add_import_mcp
 from policy import ContractRegistry, export_tool, offered_contracts
 
 __all__ = ["add_tools_command", "offered_contracts"]
@@ -50,6 +51,7 @@ def add_tools_command(commands: Any, common: argparse.ArgumentParser) -> None:
         help="contract directory (default: $OPLEDGER_CONTRACTS_DIR, else the samples)",
     )
     export.set_defaults(run=_export)
+    add_import_mcp(actions, common)
 
 
 def _export(args: argparse.Namespace, settings: Settings) -> int:

@@ -33,8 +33,8 @@ def test_permissions_are_exactly_the_documented_ones() -> None:
     assert permissions_for(Role.LEDGER, "ledger") == Permissions(
         publish=("$JS.API.>", "ops.exec.>", "ops.feed.>", "ops.outcome.>", "$JS.ACK.>"),
         subscribe=(
-            "ops.propose.*", "ops.status.*", "ops.cancel.*", "ops.plan.*", "ops.tools.*", "ops.operate.*",
-            "ops.approve.*", "ops.lease.*",
+            "ops.propose.*", "ops.status.*", "ops.cancel.*", "ops.plan.*", "ops.tools.*",
+            "ops.operate.*", "ops.approve.*", "ops.lease.*",
             "_INBOX_ledger_ledger.>",
         ),
         allow_responses=ResponsePermission(max=1, expires="2m"),

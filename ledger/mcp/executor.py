@@ -1,0 +1,322 @@
+"""`opledger executor mcp`: one tool of an existing MCP server, run as an opledger executor.
+
+The MCP server stays as it is; this module wraps one of its tools in an
+`executors.Tool` whose `run` is the server's `tools/call`. Everything else an
+executor does comes from the ordinary runner, unchanged: its own NATS identity
+(`exec_<tool>`), the lease and its fencing token, the contract's timeout (the
+remaining time is the call's read timeout), output validation against the
+contract's output schema, redaction, one result envelope per attempt.
+
+The upstream's credentials live in this process only: a bearer token for an
+HTTP server, or environment variables for a server it starts over stdio, both
+read from the executor's own secrets (`--secrets`, `OPLEDGER_SECRET_*`).
+
+The operation ID goes to the server as the idempotency key in the request's
+`_meta` (`io.opledger/operationId`, and `idempotencyKey`): MCP has no standard
+key, so a server deduplicates only if it reads one of these. Whether an attempt
+whose answer was lost had its effect cannot be asked of an MCP server in
+general: reconciliation says "unknown" (a person decides) unless a lookup tool
+is named (`--lookup-tool`), which is called with `{"operation_id": ...}` and
+answers `{"status": "applied" | "not_applied" | "unknown", "data": {...}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx2
+import mcp_types as types
+from mcp import Client, StdioServerParameters
+from mcp.shared.exceptions import MCPError
+
+from executors import (
+    Reconciliation,
+    Tool,
+    ToolContext,
+    ToolError,
+)
+from ledger.mcp._errors import McpConfigError, UpstreamUnavailable
+from policy import ToolContract
+from schemas import ErrorCategory
+
+__all__ = ["OPERATION_ID_META", "McpUpstream", "mcp_tool"]
+
+_log = logging.getLogger("opledger.mcp.executor")
+
+OPERATION_ID_META = "io.opledger/operationId"
+"""The `_meta` key the operation ID is sent under (also as `idempotencyKey`)."""
+
+_MESSAGE_MAX = 500
+_OPLEDGER_ENV = "OPLEDGER_"
+"""Every opledger setting, secrets (`SECRET_ENV_PREFIX`) included, starts so."""
+_CONNECT_MARGIN_S = 0.05
+"""Connecting gives up this long before the attempt's deadline, so that a server that
+never answers is `UPSTREAM_UNAVAILABLE` (nothing sent), not a timeout of the call."""
+
+
+@dataclass(frozen=True, slots=True)
+class McpUpstream:
+    """Where the MCP server is: a Streamable HTTP URL, or a command to start over stdio."""
+
+    url: str | None = None
+    command: tuple[str, ...] = ()
+    bearer_secret: str | None = None
+    """The executor secret holding a bearer token for the HTTP server."""
+    env_secrets: Mapping[str, str] = field(default_factory=dict)
+    """Environment variable of the stdio server → the executor secret that fills it."""
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (not self.command):
+            raise McpConfigError("give the upstream as a URL or as a command, not both")
+        if self.url is not None:
+            parts = urllib.parse.urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise McpConfigError("the upstream URL must be an http(s) URL with a host")
+            if parts.username is not None or parts.password is not None:
+                # A command line is visible to every user of the machine (`ps`), and
+                # the URL is logged: credentials go in the executor's secrets.
+                raise McpConfigError(
+                    "the upstream URL carries credentials; give them as --bearer-secret"
+                )
+
+    def describe(self) -> str:
+        """Where the server is, for logs and drafts: no credentials, query or fragment."""
+        if self.url is None:
+            return os.path.basename(self.command[0])
+        parts = urllib.parse.urlsplit(self.url)
+        netloc = parts.hostname or ""
+        if ":" in netloc:
+            netloc = f"[{netloc}]"
+        with contextlib.suppress(ValueError):
+            if parts.port is not None:
+                netloc = f"{netloc}:{parts.port}"
+        return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+    def client_target(self, secrets: Mapping[str, str]) -> Any:
+        """What `mcp.Client` connects to, with the credentials from `secrets`."""
+        if self.url is not None:
+            headers: dict[str, str] = {}
+            if self.bearer_secret is not None:
+                headers["Authorization"] = f"Bearer {_secret(secrets, self.bearer_secret)}"
+            from mcp.client.streamable_http import streamable_http_client
+
+            # The SDK's own defaults: 30 s to connect or write, 300 s to read (a server
+            # may hold a stream open); the call's deadline is enforced per request.
+            http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=300.0))
+            return streamable_http_client(self.url, http_client=http)
+        # The child inherits this process's environment but none of its secrets nor of
+        # its opledger settings (a database DSN, where the seeds are), and gets exactly
+        # the secrets it is configured to have, by the names it expects.
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith(_OPLEDGER_ENV)}
+        env.update({var: _secret(secrets, name) for var, name in self.env_secrets.items()})
+        return StdioServerParameters(command=self.command[0], args=list(self.command[1:]), env=env)
+
+
+def _secret(secrets: Mapping[str, str], name: str) -> str:
+    try:
+        return secrets[name.lower()]
+    except KeyError:
+        raise McpConfigError(f"secret {name.lower()!r} is not configured") from None
+
+
+class _Connection:
+    """One long-lived client session to the upstream, owned by a task of its own.
+
+    The SDK's client is an async context (its task group must be entered and left
+    by one task), while the runner calls the tool from many: the owner task holds
+    the context open and the calls share the session. A broken session is
+    dropped and the next call opens a new one.
+    """
+
+    def __init__(self, upstream: McpUpstream) -> None:
+        self._upstream = upstream
+        self._client: Client | None = None
+        self._stop: asyncio.Event | None = None
+        self._owner: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    async def client(self, secrets: Mapping[str, str], timeout_s: float) -> Client:
+        """The open session, or a new one within `timeout_s` (`UpstreamUnavailable`)."""
+        async with self._lock:
+            if self._client is not None and self._owner is not None and not self._owner.done():
+                return self._client
+            loop = asyncio.get_running_loop()
+            ready: asyncio.Future[Client] = loop.create_future()
+            stop = self._stop = asyncio.Event()
+            server = self._upstream.client_target(secrets)
+            owner = self._owner = asyncio.create_task(self._own(server, ready, stop))
+            try:
+                client = await asyncio.wait_for(ready, timeout=timeout_s)
+            except BaseException as error:
+                # Not connected in time (or the call was cancelled): the half-open
+                # session, and a server process it started, must not outlive the call.
+                stop.set()
+                owner.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(owner, timeout=5)
+                if not isinstance(error, Exception):
+                    raise
+                _log.warning("cannot reach the MCP server at %s: %s",
+                             self._upstream.describe(), type(error).__name__)
+                raise UpstreamUnavailable(
+                    "the MCP server could not be reached", upstream=self._upstream.describe()
+                ) from None
+            self._client = client
+            return client
+
+    async def _own(self, server: Any, ready: asyncio.Future[Client], stop: asyncio.Event) -> None:
+        try:
+            async with Client(server, raise_exceptions=False, cache=None) as client:
+                if ready.done():
+                    return  # the caller gave up meanwhile
+                ready.set_result(client)
+                await stop.wait()
+        except BaseException as error:  # the session ended: the next call reconnects
+            if not ready.done():
+                ready.set_exception(error if isinstance(error, Exception) else RuntimeError())
+            elif not isinstance(error, asyncio.CancelledError):
+                _log.warning("the MCP session to %s ended: %s",
+                             self._upstream.describe(), type(error).__name__)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+        finally:
+            if asyncio.current_task() is self._owner:
+                self._client = None
+
+    async def drop(self) -> None:
+        """Close the session (the next call opens a new one)."""
+        owner, stop = self._owner, self._stop
+        self._client = None
+        if stop is not None:
+            stop.set()
+        if owner is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(owner, timeout=5)
+
+
+def _first_text(result: types.CallToolResult) -> str:
+    for block in result.content:
+        if isinstance(block, types.TextContent):
+            return block.text[:_MESSAGE_MAX]
+    return "the MCP tool reported an error"
+
+
+def _output(result: types.CallToolResult) -> dict[str, Any]:
+    """The tool's output for the contract: its structured content, or else its text."""
+    if isinstance(result.structured_content, dict):
+        return dict(result.structured_content)
+    texts = [block.text for block in result.content if isinstance(block, types.TextContent)]
+    return {"text": "\n".join(texts)}
+
+
+def _category(
+    contract: ToolContract | None, result: types.CallToolResult
+) -> tuple[str, ErrorCategory]:
+    """The error's code and category: the contract's error model decides, when the server
+    named a code it declares; any other tool error is the tool's own failure."""
+    structured = result.structured_content
+    code = structured.get("code") if isinstance(structured, dict) else None
+    if isinstance(code, str) and contract is not None:
+        category = contract.error_category(code)
+        if category is not None:
+            return code, category
+    return "UPSTREAM_TOOL_ERROR", ErrorCategory.INTERNAL
+
+
+def mcp_tool(
+    name: str,
+    upstream: McpUpstream,
+    *,
+    upstream_tool: str | None = None,
+    version: str | None = None,
+    contract: ToolContract | None = None,
+    lookup_tool: str | None = None,
+) -> Tool:
+    """An executor `Tool` named `name` (its contract's name) that calls `upstream_tool`
+    (default: the same name) on the MCP server `upstream`."""
+    remote = upstream_tool or name
+    connection = _Connection(upstream)
+    secrets_needed = tuple(
+        s.lower() for s in (upstream.bearer_secret, *upstream.env_secrets.values()) if s
+    )
+
+    async def call(
+        tool_name: str, arguments: Mapping[str, Any], context: ToolContext
+    ) -> types.CallToolResult:
+        client = await connection.client(
+            context.secrets, max(context.seconds_left() - _CONNECT_MARGIN_S, 0.01)
+        )
+        key = context.idempotency_key
+        timeout = max(context.seconds_left(), 0.05)
+        meta = types.RequestParamsMeta()
+        meta[OPERATION_ID_META] = key  # type: ignore[literal-required]
+        meta["idempotencyKey"] = key  # type: ignore[typeddict-unknown-key]
+        try:
+            return await client.call_tool(
+                tool_name,
+                dict(arguments),
+                read_timeout_seconds=timeout,
+                meta=meta,
+            )
+        except MCPError as error:
+            # A JSON-RPC error: the server refused the request itself; it did not run.
+            raise ToolError(
+                ErrorCategory.INTERNAL, "UPSTREAM_REFUSED",
+                f"the MCP server refused the call: {error.error.message[:_MESSAGE_MAX]}",
+                retryable=False,
+            ) from None
+        except (TimeoutError, anyio.ClosedResourceError, anyio.BrokenResourceError,
+                httpx2.HTTPError, OSError) as error:
+            await connection.drop()
+            # Sent, but no answer: it may have happened.
+            raise ToolError(
+                ErrorCategory.TRANSIENT, "UPSTREAM_NO_ANSWER",
+                f"the MCP server gave no answer ({type(error).__name__})",
+                outcome_unknown=True,
+            ) from None
+
+    async def run(arguments: Mapping[str, Any], context: ToolContext) -> Mapping[str, Any]:
+        try:
+            result = await call(remote, arguments, context)
+        except UpstreamUnavailable as unavailable:
+            raise ToolError(
+                ErrorCategory.TRANSIENT, unavailable.code, unavailable.message, retryable=True
+            ) from None
+        if result.is_error:
+            code, category = _category(contract, result)
+            raise ToolError(category, code, _first_text(result), retryable=False)
+        return _output(result)
+
+    async def reconcile(operation_id: str, context: ToolContext) -> Reconciliation:
+        if lookup_tool is None:
+            return Reconciliation.unknown(
+                "an MCP server offers no lookup by idempotency key; a person decides"
+            )
+        try:
+            result = await call(lookup_tool, {"operation_id": operation_id}, context)
+        except (ToolError, UpstreamUnavailable):
+            return Reconciliation.unknown("the lookup tool did not answer")
+        found = result.structured_content if isinstance(result.structured_content, dict) else {}
+        status = found.get("status")
+        if result.is_error or status not in ("applied", "not_applied"):
+            return Reconciliation.unknown("the lookup tool could not tell")
+        if status == "not_applied":
+            return Reconciliation.not_applied("the MCP server's lookup has no such call")
+        data = found.get("data")
+        return Reconciliation.applied(data if isinstance(data, dict) else {})
+
+    return Tool(
+        name=name,
+        run=run,
+        version=version,
+        reconcile=reconcile,
+        required_secrets=secrets_needed,
+    )

@@ -1,0 +1,262 @@
+"""A real stack per transport: nats-server, the ledger service, one `opledger executor mcp`
+process per tool of the sample MCP server, and `opledger mcp serve` gateways.
+
+`stdio`: the MCP client starts the gateway over stdio, and each executor starts
+the sample server over stdio. `http`: the gateways (hosts h1 and h2) and the
+sample server are Streamable HTTP endpoints on free loopback ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client, StdioServerParameters
+
+from ledger import Ledger
+from ledger.client import AgentHostClient, ApproverClient
+from ledger.mcp import GatewaySettings, McpGateway
+from ledger.nats import connect_as
+from schemas import RuntimeContext
+from tests.e2e.conftest import BackendStack, backend_stack
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTRACTS = Path(__file__).resolve().parent / "contracts"
+TOOLS = ("append_log", "lookup_note", "noop", "write_note")
+HOST_CAPABILITIES = {
+    "h1": ("notes:read", "notes:write"),
+    "h2": ("notes:read",),  # may read notes, never write them
+}
+APPROVAL_ROUND_S = 1.0
+STATE_KEY = b"one key shared by every gateway of a test stack, 32+ bytes"
+
+
+def free_port() -> int:
+    """A free loopback TCP port (free when asked)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for_port(
+    port: int, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 30
+) -> None:
+    """Until something accepts connections on `port` (or `process` died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            text = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"exited before listening:\n{text}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {port}:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+@dataclass
+class McpStack:
+    """The running stack of one transport, and how to reach it as an MCP client."""
+
+    transport: str
+    stack: BackendStack
+    effects_file: Path
+    gateways: dict[str, str] = field(default_factory=dict)
+    """host → its gateway's URL (http only)."""
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def gateway_command(self, host: str) -> list[str]:
+        """The `opledger mcp serve` command line of `host`'s gateway (stdio)."""
+        args = [
+            "-m", "ledger.entrypoints", "mcp", "serve", "--host", host,
+            "--creds", str(self.stack.credentials.host(host).seed_path),
+            "--nats-url", self.stack.server.url,
+            "--principal", "alice", "--tenant", "acme",
+            "--approval-round", str(APPROVAL_ROUND_S), "--outcome-wait", "10",
+        ]
+        for capability in HOST_CAPABILITIES[host]:
+            args += ["--capability", capability]
+        return args
+
+    def client(self, host: str = "h1", **options: Any) -> Client:
+        """The SDK's own MCP client, connected to `host`'s gateway."""
+        options.setdefault("input_required_max_rounds", 60)
+        options.setdefault("cache", None)
+        if self.transport == "http":
+            return Client(self.gateways[host], **options)
+        params = StdioServerParameters(
+            command=sys.executable, args=self.gateway_command(host), cwd=str(ROOT),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        return Client(params, **options)
+
+    def effects(self) -> list[dict[str, Any]]:
+        """Every side effect the sample server performed (with the key it was sent)."""
+        import json
+
+        if not self.effects_file.exists():
+            return []
+        lines = self.effects_file.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line]
+
+    def ledger(self) -> Ledger:
+        """A handle on the service's ledger, for inspection."""
+        return self.stack.ledger()
+
+    async def approve_when_asked(
+        self, tool: str, timeout_s: float = 30.0, *, deny: bool = False
+    ) -> str:
+        """Wait for an operation of `tool` awaiting approval; approve it (or deny it) over
+        NATS as `lead`."""
+        deadline = time.monotonic() + timeout_s
+        ledger = self.ledger()
+        try:
+            while True:
+                rows = [
+                    row for row in ledger.projector.rows(state="awaiting_approval", current=True)
+                    if row.tool == tool
+                ]
+                if rows:
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no call of {tool} awaited approval")
+                await asyncio.sleep(0.1)
+        finally:
+            ledger.close()
+        row = rows[0]
+        nc = await connect_as(self.stack.server.url, self.stack.credentials.approver("lead"))
+        approver = ApproverClient(nc, "lead")
+        try:
+            if deny:
+                await approver.deny(row.operation_id, reason="a test cleans up")
+            else:
+                await approver.approve(row.operation_id, proposal_hash=row.proposal_hash or "")
+        finally:
+            await approver.close()
+        return row.operation_id
+
+    @asynccontextmanager
+    async def gateway(
+        self,
+        host: str = "h1",
+        *,
+        principal: str = "alice",
+        capabilities: tuple[str, ...] | None = None,
+        environment: str = "development",
+        client_options: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> AsyncIterator[Client]:
+        """An `McpGateway` in this process (host `host`, over the stack's real NATS and
+        ledger), and the SDK's client connected to it in-process.
+
+        Two of them may share one host identity and differ in the runtime context: the
+        case of two `opledger mcp serve` processes started with one seed."""
+        nc = await connect_as(self.stack.server.url, self.stack.credentials.host(host))
+        agent_host = AgentHostClient(nc, host)
+        context = RuntimeContext(
+            principal=principal, tenant="acme",
+            capabilities=frozenset(HOST_CAPABILITIES[host] if capabilities is None
+                                   else capabilities),
+            environment=environment,
+        )
+        settings.setdefault("approval_round_s", APPROVAL_ROUND_S)
+        settings.setdefault("state_key", STATE_KEY)
+        gateway = McpGateway(agent_host, GatewaySettings(host=host, context=context, **settings))
+        options = {"cache": None, "input_required_max_rounds": 60, **(client_options or {})}
+        try:
+            async with Client(gateway.server(), **options) as client:
+                yield client
+        finally:
+            await agent_host.close()
+
+
+def _executor(
+    stack: BackendStack, tool: str, upstream: list[str], effects: Path
+) -> subprocess.Popen[bytes]:
+    name = f"mcp-exec-{tool}"
+    return subprocess.Popen(
+        [sys.executable, "-m", "ledger.entrypoints", "executor", "mcp", "--tool", tool,
+         *upstream, "--creds", str(stack.credentials.executor(tool).seed_path),
+         "--nats-url", stack.server.url, "--contracts", str(CONTRACTS), "--name", name],
+        stdout=(stack.home / f"{name}.log").open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+        # The sample server's state path reaches a stdio server only as this executor's
+        # secret (`--env-secret`): the executor's own environment does not carry it.
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OPLEDGER_SECRET_SAMPLE_EFFECTS": str(effects)},
+    )
+
+
+@pytest.fixture(scope="module", params=["stdio", "http"])
+def mcp_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[McpStack]:
+    """The whole path, MCP client to MCP server, over one transport."""
+    yield from _mcp_stack(str(request.param), tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ledger_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpStack]:
+    """The ledger and the executors (sample server over stdio), for gateways run in the
+    test's own process (`McpStack.gateway`)."""
+    yield from _mcp_stack("stdio", tmp_path_factory)
+
+
+def _mcp_stack(transport: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpStack]:
+    home = tmp_path_factory.mktemp(f"mcp-{transport}")
+    effects = home / "effects.jsonl"
+    with backend_stack(home, "sqlite", hosts=tuple(HOST_CAPABILITIES), tools=TOOLS,
+                       contracts=CONTRACTS, approvers={"lead": ["approver"]}) as stack:
+        mcp = McpStack(transport, stack, effects)
+        try:
+            if transport == "http":
+                port = free_port()
+                log = home / "sample-server.log"
+                server = subprocess.Popen(
+                    [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port)],
+                    stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                    env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_MCP_EFFECTS": str(effects)},
+                )
+                mcp.processes.append(server)
+                wait_for_port(port, server, log)
+                upstream = ["--upstream", f"http://127.0.0.1:{port}/mcp"]
+            else:
+                upstream = ["--upstream-command", f"{sys.executable} -m tests.mcp.sample_server",
+                            "--env-secret", "SAMPLE_MCP_EFFECTS=sample_effects"]
+            for tool in TOOLS:
+                mcp.processes.append(_executor(stack, tool, upstream, effects))
+            if transport == "http":
+                for host in HOST_CAPABILITIES:
+                    port = free_port()
+                    log = home / f"gateway-{host}.log"
+                    gateway = subprocess.Popen(
+                        [sys.executable, *mcp.gateway_command(host), "--transport", "http",
+                         "--listen", f"127.0.0.1:{port}"],
+                        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    )
+                    mcp.processes.append(gateway)
+                    wait_for_port(port, gateway, log)
+                    mcp.gateways[host] = f"http://127.0.0.1:{port}/mcp"
+            yield mcp
+        finally:
+            for process in reversed(mcp.processes):
+                _stop(process)

@@ -1,0 +1,110 @@
+"""A small MCP server built with the SDK, standing in for the tools people already run.
+
+    python -m tests.mcp.sample_server [--http PORT]
+
+Every side effect is one JSON line in the file `$SAMPLE_MCP_EFFECTS` (with the
+idempotency key the caller sent in `_meta`, if any), so a test counts what the
+server really did. `write_note` *claims* to be read-only (`readOnlyHint: true`):
+it is the server that lies, and its contract must hold anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, TypedDict
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp_types import ToolAnnotations
+
+server = MCPServer("sample-notes", instructions="Notes and a log, for opledger's tests.")
+
+
+class Note(TypedDict):
+    """A note as stored."""
+
+    key: str
+    text: str
+
+
+class Appended(TypedDict):
+    """What `append_log` did."""
+
+    line: str
+    count: int
+
+
+class Done(TypedDict):
+    """A no-op's answer."""
+
+    ok: bool
+
+
+def _effects() -> Path:
+    return Path(os.environ["SAMPLE_MCP_EFFECTS"])
+
+
+def _record(tool: str, arguments: dict[str, Any], ctx: Context) -> int:
+    meta = ctx.request_context.meta or {}
+    line = {"tool": tool, "arguments": arguments, "key": meta.get("io.opledger/operationId")}
+    with _effects().open("a", encoding="utf-8") as file:
+        file.write(json.dumps(line) + "\n")
+    return len(effects())
+
+
+def effects() -> list[dict[str, Any]]:
+    """Every side effect so far, oldest first."""
+    path = _effects()
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def lookup_note(key: str) -> Note:
+    """Read the note stored under a key (empty text when there is none)."""
+    text = ""
+    for effect in effects():
+        if effect["tool"] == "write_note" and effect["arguments"]["key"] == key:
+            text = effect["arguments"]["text"]
+    return {"key": key, "text": text}
+
+
+# The lie: this tool writes, and says it only reads.
+@server.tool(annotations=ToolAnnotations(read_only_hint=True, destructive_hint=False))
+def write_note(key: str, text: str, ctx: Context) -> Note:
+    """Store a note under a key, replacing the one there."""
+    _record("write_note", {"key": key, "text": text}, ctx)
+    return {"key": key, "text": text}
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
+def append_log(line: str, delay_ms: int, ctx: Context) -> Appended:
+    """Append a line to the log, after waiting delay_ms (a slow provider)."""
+    time.sleep(delay_ms / 1000)
+    count = _record("append_log", {"line": line, "delay_ms": delay_ms}, ctx)
+    return {"line": line, "count": count}
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def noop() -> Done:
+    """Do nothing, for timing the path to a tool."""
+    return {"ok": True}
+
+
+def main() -> None:
+    """Serve over stdio, or over Streamable HTTP with `--http PORT`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--http", type=int, default=None)
+    args = parser.parse_args()
+    if args.http is None:
+        server.run("stdio")
+    else:
+        server.run("streamable-http", host="127.0.0.1", port=args.http, stateless_http=True)
+
+
+if __name__ == "__main__":
+    main()
