@@ -429,6 +429,17 @@ class OperatorClient(_PersonClient):
         return await self._send(request, attempts)
 
 
+    async def compensate(
+        self, operation_id: str, *, reason: str, attempts: int = 3
+    ) -> OperationStatus:
+        """Propose undoing a succeeded call with the tool its contract names; the answer
+        is the status of the compensation (`<host>/<id>-c`), an operation of its own,
+        checked and approved afresh. Asking again answers the same compensation.
+        `RequestRefused` when the call did not succeed or its effect has no compensation."""
+        request = OperatorRequest(command="compensate", operation_id=operation_id, reason=reason)
+        return await self._send(request, attempts)
+
+
 class ApproverClient(_PersonClient):
     """One approver's connection to the ledger: approve or deny calls.
 

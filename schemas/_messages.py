@@ -107,6 +107,7 @@ EVENT_TYPES: Final = (
     "StaleResultRecorded",
     "ConflictingOutcomeRecorded",
     "RetryProposed",
+    "CompensationProposed",
     "RepairProposed",
     "CancelRequested",
     "Cancelled",
@@ -463,10 +464,11 @@ class ToolsReply(WireModel):
 
 
 class OperatorRequest(WireModel):
-    """An operator settles an unknown outcome, cancels, or runs a failed call again, over
-    NATS (answered with the operation's status, by the ledger's ID)."""
+    """An operator settles an unknown outcome, cancels, runs a failed call again, or
+    proposes undoing a succeeded one, over NATS (answered with the operation's status, by
+    the ledger's ID: for `retry` and `compensate`, the new operation's)."""
 
-    command: Literal["resolve", "cancel", "retry"]
+    command: Literal["resolve", "cancel", "retry", "compensate"]
     operation_id: str = Field(pattern=OPERATION_ID_PATTERN, description="The ledger's ID.")
     applied: bool | None = Field(
         default=None, description="For `resolve`: whether the effect happened (required)."
@@ -474,7 +476,7 @@ class OperatorRequest(WireModel):
     reason: str = Field(
         default="",
         max_length=500,
-        description="Why (recorded); required for `resolve` and `retry`.",
+        description="Why (recorded); required for `resolve`, `retry` and `compensate`.",
     )
 
 

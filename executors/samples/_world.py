@@ -274,6 +274,8 @@ class World:
     orders: dict[str, Order] = field(default_factory=_orders)
     refunds: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Idempotency key → refund record."""
+    cancellations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Idempotency key → refund cancellation record."""
     tickets: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Idempotency key → ticket record."""
     deletions: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -308,6 +310,28 @@ class World:
                 "status": "pending_review" if amount_cents > 50_000 else "requested",
             }
             self.refunds[key] = record
+            return record
+
+    def cancel_refund(self, key: str, refund_id: str, order_id: str) -> dict[str, Any] | None:
+        """Take a requested refund back once per idempotency key (the order's refundable
+        amount grows again); None when this backend holds no such refund."""
+        with self.lock:
+            existing = self.cancellations.get(key)
+            if existing is not None:
+                return existing
+            refund = next(
+                (r for r in self.refunds.values()
+                 if r["refund_id"] == refund_id and r["order_id"] == order_id),
+                None,
+            )
+            if refund is None:
+                return None
+            cancelled = refund["status"] != "cancelled"
+            if cancelled:
+                self.orders[order_id].refunded_cents -= int(refund["amount_cents"])
+                refund["status"] = "cancelled"
+            record = {"refund_id": refund_id, "cancelled": cancelled}
+            self.cancellations[key] = record
             return record
 
     def delete_document(self, key: str, document_id: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from executors._api import Precondition, Reconciliation, ToolContext, ToolError,
 from executors.samples._world import Order, customer_address, world
 from schemas import ErrorCategory
 
-__all__ = ["query_orders", "request_refund"]
+__all__ = ["cancel_refund", "query_orders", "request_refund"]
 
 _MAX_PAGE = 1_000
 _REFUNDABLE = frozenset({"paid", "shipped", "delivered"})
@@ -77,6 +77,19 @@ def request_refund(arguments: Mapping[str, Any], context: ToolContext) -> dict[s
             str(arguments["currency"]),
         )
     )
+
+
+@tool("cancel_refund", version="1.0.0")
+def cancel_refund(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+    """Take a requested refund back at the fake payment backend (request_refund's
+    compensation), once per idempotency key."""
+    record = world().cancel_refund(
+        context.idempotency_key, str(arguments["refund_id"]), str(arguments["order_id"])
+    )
+    if record is None:
+        raise ToolError(ErrorCategory.NOT_FOUND, "REFUND_NOT_FOUND",
+                        "this payment backend holds no such refund of this order")
+    return dict(record)
 
 
 @request_refund.precondition

@@ -272,6 +272,11 @@ _KINDS = (
         lambda e: f"run again as {e.retry_id}, by {e.by} ({e.via}): {e.reason}",
     ),
     EventKind(
+        Op.CompensationProposed,
+        lambda e: f"to be undone by {e.compensation_id}, proposed by {e.by}"
+        + (f": {e.reason}" if e.reason else ""),
+    ),
+    EventKind(
         Op.CancelRequested,
         lambda e: f"cancel requested by {e.by}" + (f": {e.reason}" if e.reason else ""),
         state=_cancel_requested,

@@ -69,6 +69,7 @@ _DOING = {
     "record_result": "record a result",
     "schedule_retry": "retry",
     "note_retry": "run it again",
+    "note_compensation": "undo it (only a call that succeeded is compensated)",
     "request_cancel": "cancel",
     "confirm_cancelled": "confirm the cancel",
 }
@@ -120,6 +121,7 @@ ALLOWED: dict[str, frozenset[OperationState]] = {
     "reconcile": frozenset({S.OUTCOME_UNKNOWN, S.RECONCILING, S.NEEDS_RESOLUTION}),
     "schedule_retry": frozenset({S.FAILED}),
     "note_retry": frozenset({S.FAILED}),
+    "note_compensation": frozenset({S.SUCCEEDED}),
     "request_cancel": frozenset(
         {
             S.PROPOSED,
@@ -169,7 +171,9 @@ class Operation(BaseAggregate[str]):
         """The ledger's ID of the rejected operation this proposal repairs."""
         repair_depth: int = 0
         """How many repairs precede this proposal in its chain (0: not a repair)."""
-        omitted_when_none = frozenset({"trace_parent", "retries", "proposed_by", "plan", "step"})
+        omitted_when_none = frozenset(
+            {"trace_parent", "retries", "proposed_by", "plan", "step", "compensates"}
+        )
 
         trace_parent: str | None = None
         """The W3C `traceparent` of the ledger's check of this proposal (continuing the
@@ -186,6 +190,9 @@ class Operation(BaseAggregate[str]):
         own). Only the ledger's plan runner sets it: a host's proposal cannot."""
         step: str | None = None
         """The step of `plan` it runs."""
+        compensates: str | None = None
+        """The ledger's ID of the succeeded operation this one undoes (its contract's
+        `compensation`); the other one records `CompensationProposed`."""
 
         def apply(self, aggregate: Any) -> None:
             start_chain(aggregate)
@@ -208,6 +215,8 @@ class Operation(BaseAggregate[str]):
             aggregate.proposed_by = self.proposed_by
             aggregate.plan = self.plan
             aggregate.step = self.step
+            aggregate.compensates = self.compensates
+            aggregate.compensated_by = None
             aggregate.retried_as = None
             aggregate.success_reported_late = False
             aggregate.repaired_by = None
@@ -658,6 +667,18 @@ class Operation(BaseAggregate[str]):
         def apply_to(self, aggregate: Any) -> None:
             aggregate.retried_as = self.retry_id
 
+    class CompensationProposed(Event):
+        """Someone proposed undoing this succeeded call, as an operation of its own
+        (`compensation_id`: checked, approved and run like any call). This one's outcome
+        stands: it happened."""
+
+        compensation_id: str
+        by: str
+        reason: str
+
+        def apply_to(self, aggregate: Any) -> None:
+            aggregate.compensated_by = self.compensation_id
+
     class RepairProposed(Event):
         """A new proposal repairs this rejected one (at most one may: the chain is linear)."""
 
@@ -738,6 +759,10 @@ class Operation(BaseAggregate[str]):
         plan: str | None
         """The plan this operation is a step of (`Proposed.plan`), and which step."""
         step: str | None
+        compensates: str | None
+        """The operation this one undoes (`Proposed.compensates`)."""
+        compensated_by: str | None
+        """The operation proposed to undo this one (`CompensationProposed`)."""
         retried_as: str | None
         """The operation that runs this failed one again, once a person retried it."""
         success_reported_late: bool
@@ -809,6 +834,7 @@ class Operation(BaseAggregate[str]):
         proposed_by: str | None = None,
         plan: str | None = None,
         step: str | None = None,
+        compensates: str | None = None,
     ) -> Operation:
         """Record a new proposal under `operation_id` (`omitted`: what of it was not kept;
         `capabilities`: the caller's, from its trusted runtime context; `trace_parent`:
@@ -840,6 +866,7 @@ class Operation(BaseAggregate[str]):
             proposed_by=proposed_by,
             plan=plan,
             step=step,
+            compensates=compensates,
         )
 
     def _guard(self, command: str) -> None:
@@ -1545,6 +1572,29 @@ class Operation(BaseAggregate[str]):
                 operation_id=self.id,
             )
         self._trigger(self.RetryProposed, now, retry_id=retry_id, by=by, reason=reason, via=via)
+
+    def note_compensation(
+        self, *, compensation_id: str, by: str, reason: str, now: datetime
+    ) -> None:
+        """Someone proposed undoing this succeeded call as operation `compensation_id`.
+
+        Only a call that succeeded has an effect to undo. One compensation per call:
+        proposing the same one again converges, another one is refused (look at the
+        first, and retry it if it failed).
+        """
+        self._guard("note_compensation")
+        if len(reason) > _REASON_MAX:
+            raise InvalidArgument(f"a reason has at most {_REASON_MAX} characters")
+        if self.compensated_by == compensation_id:
+            return
+        if self.compensated_by is not None:
+            raise IllegalTransition(
+                f"already compensated by {self.compensated_by}: look at that one",
+                operation_id=self.id,
+            )
+        self._trigger(
+            self.CompensationProposed, now, compensation_id=compensation_id, by=by, reason=reason
+        )
 
     def request_cancel(self, *, by: str, reason: str, now: datetime) -> None:
         """Cancel: at once if nothing runs yet, by request if running, noted if too late."""

@@ -129,6 +129,12 @@ class Plan(BaseAggregate[str]):
         tenant: str
         environment: str
         capabilities: list[str]
+        proposed_by: str | None = None
+        """Who proposed it when not the host: the person who asked to undo another
+        plan's steps (`compensates`)."""
+        compensates: str | None = None
+        """The plan whose succeeded steps this one undoes (a compensation plan)."""
+        omitted_when_none = frozenset({"proposed_by", "compensates"})
 
         def apply(self, aggregate: Any) -> None:
             start_chain(aggregate)
@@ -143,6 +149,8 @@ class Plan(BaseAggregate[str]):
             aggregate.tenant = self.tenant
             aggregate.environment = self.environment
             aggregate.capabilities = tuple(self.capabilities)
+            aggregate.proposed_by = self.proposed_by
+            aggregate.compensates = self.compensates
             aggregate.plan_hash = None
             aggregate.risk = None
             aggregate.steps = ()
@@ -328,6 +336,8 @@ class Plan(BaseAggregate[str]):
         tenant: str
         environment: str
         capabilities: tuple[str, ...]
+        proposed_by: str | None
+        compensates: str | None
         plan_hash: str | None
         risk: str | None
         steps: tuple[dict[str, Any], ...]
@@ -357,8 +367,11 @@ class Plan(BaseAggregate[str]):
         environment: str,
         capabilities: Iterable[str],
         now: datetime,
+        proposed_by: str | None = None,
+        compensates: str | None = None,
     ) -> Plan:
-        """Record a new plan under `plan_id` (the ledger's)."""
+        """Record a new plan under `plan_id` (the ledger's); `proposed_by` and
+        `compensates`: the person who proposed it to undo plan `compensates`."""
         return cls._create(
             cls.PlanProposed,
             id=plan_id,
@@ -371,6 +384,8 @@ class Plan(BaseAggregate[str]):
             tenant=tenant,
             environment=environment,
             capabilities=sorted(capabilities),
+            proposed_by=proposed_by,
+            compensates=compensates,
         )
 
     def _trigger(self, event_class: type[Event], now: datetime, **kwargs: Any) -> None:

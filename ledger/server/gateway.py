@@ -31,7 +31,6 @@ import psycopg
 from eventsourcing.persistence import IntegrityError, PersistenceError
 
 from ledger.domain.errors import InvalidArgument, LedgerError
-from ledger.domain.plan import plan_ledger_id
 from ledger.domain.states import ResultDisposition
 from ledger.service import Ledger, Submission, SubmitItem
 from schemas import (
@@ -166,6 +165,11 @@ class LedgerGateway:
             self.ledger.resolve(
                 request.operation_id, by=by, applied=request.applied, reason=request.reason
             )
+        elif request.command == "compensate":
+            # The answer is the compensation's status: it runs as an operation of its own.
+            answered = self.ledger.compensate(
+                request.operation_id, by=by, reason=request.reason
+            ).operation_id
         elif request.command == "retry":
             # The answer is the new operation's status: the retry runs as it.
             answered = self.ledger.retry(
@@ -212,7 +216,7 @@ class LedgerGateway:
     def _decide_plan(
         self, request: ApproverRequest, plan_id: str, approver: str, roles: frozenset[str]
     ) -> PlanStatus:
-        ledger_id = plan_ledger_id(plan_id)
+        ledger_id = plan_id  # `<host>/<plan id>`: the plans' own namespace
         if request.command == "approve":
             assert request.proposal_hash is not None
             status = self.ledger.approve_plan(

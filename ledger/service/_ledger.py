@@ -23,6 +23,7 @@ from ledger.projections.operations_view import OperationsProjector
 from ledger.retention import KEPT_REJECTED_BYTES
 from ledger.service._approvals import Approvals
 from ledger.service._audit import Audit
+from ledger.service._compensation import Compensations
 from ledger.service._contracts import PinnedContracts
 from ledger.service._leasing import Leasing
 from ledger.service._plans import Planning
@@ -95,6 +96,9 @@ class Ledger:
         )
         self.leasing = Leasing(self.runner, self.contracts, clock=clock, lease_grace=lease_grace)
         self.recording = ResultRecording(self.runner, self.contracts, self.results, clock=clock)
+        self.compensations = Compensations(
+            self.runner, checker, self.submissions, self.status_reader, clock=clock
+        )
         self.settling = Settling(self.runner, clock=clock)
         self.sweeps = Sweeps(
             self.runner, self.projector, clock=clock, refresh=self.read_models.refresh
@@ -114,6 +118,7 @@ class Ledger:
         self.seal_now = self.read_models.seal_now
         self.submit_many = self.submissions.submit_many
         self.retry = self.submissions.retry
+        self.compensate = self.compensations.compensate
         self.propose_plan = self.plans.propose
         self.plan_status = self.plans.status
         self.approve_plan = self.plans.approve
@@ -121,6 +126,7 @@ class Ledger:
         self.cancel_plan = self.plans.cancel
         self.retry_plan = self.plans.retry
         self.advance_plan = self.plans.advance
+        self.compensate_plan = self.plans.compensate
         self.approve = self.approvals.approve
         self.deny = self.approvals.deny
         self.lease_many = self.leasing.lease_many

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -26,14 +27,23 @@ from ledger.domain.approval_rules import Refusal
 from ledger.domain.errors import (
     ApprovalRefused,
     IllegalTransition,
+    InvalidProposal,
     LedgerError,
     OperationConflict,
     OperationNotFound,
     PlanNotFound,
 )
 from ledger.domain.operation import Operation
-from ledger.domain.plan import PLAN_ID_SUFFIX, Plan, PlanState, StepState, plan_ledger_id
+from ledger.domain.plan import (
+    PLAN_ID_SUFFIX,
+    Plan,
+    PlanState,
+    StepState,
+    is_plan_id,
+    plan_ledger_id,
+)
 from ledger.domain.states import TERMINAL_STATES, OperationState
+from ledger.service._compensation import compensation_arguments, compensation_id
 from ledger.service._runner import CommandRunner
 from ledger.service._status import StatusReader
 from ledger.service._submission import StepOf, Submissions, effect_preview
@@ -105,6 +115,16 @@ def _at_step(issue: ValidationIssue, index: int, step: str) -> ValidationIssue:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Undoing:
+    """What a compensation plan undoes: the plan, who asked, and per undoing step the
+    operation it undoes."""
+
+    plan_id: str
+    by: str
+    steps: Mapping[str, str]
+
+
 class Planning:
     """The plan use cases, on the same runner, checker and submissions as single calls."""
 
@@ -128,7 +148,10 @@ class Planning:
     # ------------------------------------------------------------------ reading
 
     def get(self, plan_id: str) -> Plan:
-        """The stored plan (the ledger's ID, `<host>/<id>~plan`)."""
+        """The stored plan, by the ledger's ID: `<host>/<id>` as people see it (or as
+        stored, `<host>/<id>~plan`)."""
+        if not is_plan_id(plan_id):
+            plan_id = plan_ledger_id(plan_id)
         try:
             plan = self._runner.events.repository.get(plan_id, projector_func=_replay)
         except AggregateNotFoundError:
@@ -153,7 +176,8 @@ class Planning:
             raise PlanNotFound("no such plan", operation_id=asked) from None
         if host is not None and plan.host != host:
             raise PlanNotFound("no such plan", operation_id=asked)
-        return self._describe(plan, asked if host is not None else plan.id, local=host is not None)
+        local = host is not None
+        return self._describe(plan, asked if local else _shown(plan), local=local)
 
     def _describe(self, plan: Plan, shown_id: str, *, local: bool) -> PlanStatus:
         rows = []
@@ -206,10 +230,17 @@ class Planning:
 
     # ----------------------------------------------------------------- proposing
 
-    def propose(self, proposal: PlanProposal, context: RuntimeContext, host: str) -> PlanStatus:
+    def propose(
+        self,
+        proposal: PlanProposal,
+        context: RuntimeContext,
+        host: str,
+        *,
+        undoes: _Undoing | None = None,
+    ) -> PlanStatus:
         """Record and check a plan; run what may run at once. Idempotent by the host's
         plan ID: the same plan again answers its status, another plan under that ID
-        `OPERATION_CONFLICT`."""
+        `OPERATION_CONFLICT`. `undoes`: for a compensation plan (`compensate`)."""
         plan_id = self.ledger_id(host, proposal.plan_id)
         print_ = _fingerprint(proposal, context, host)
         existing = self._existing(plan_id, print_, proposal.plan_id)
@@ -226,6 +257,8 @@ class Planning:
             environment=context.environment,
             capabilities=context.capabilities,
             now=now,
+            proposed_by=undoes.by if undoes else None,
+            compensates=undoes.plan_id if undoes else None,
         )
         try:
             issues, steps, decisions, requirement = self._check(proposal, context, host)
@@ -233,6 +266,9 @@ class Planning:
             if self._budget is not None:
                 self._budget.clear_pending()
         released: list[Operation] = []
+        if undoes is not None:
+            for one in steps:
+                one["compensates"] = undoes.steps[one["step"]]
         if issues:
             plan.reject(issues=[issue.model_dump(mode="json") for issue in issues], now=now)
         else:
@@ -413,7 +449,7 @@ class Planning:
             raise ApprovalRefused(
                 f"approval refused: {refusal}", operation_id=plan.id, reason=refusal
             )
-        return self._describe(plan, plan.id, local=False)
+        return self._describe(plan, _shown(plan), local=False)
 
     def deny(
         self,
@@ -442,7 +478,7 @@ class Planning:
         if refusal is not None:
             raise ApprovalRefused(f"denial refused: {refusal}", operation_id=plan.id,
                                   reason=refusal)
-        return self._describe(plan, plan.id, local=False)
+        return self._describe(plan, _shown(plan), local=False)
 
     def cancel(self, plan_id: str, *, by: str, reason: str = "") -> PlanStatus:
         """Cancel the plan: steps not started are skipped, running ones are asked to stop
@@ -454,7 +490,7 @@ class Planning:
             return [], None
 
         plan, _ = self._update(plan_id, command)
-        return self._describe(plan, plan.id, local=False)
+        return self._describe(plan, _shown(plan), local=False)
 
     def retry(self, plan_id: str, *, by: str, reason: str = "") -> PlanStatus:
         """Run a failed or partially succeeded plan's failed and skipped steps again:
@@ -475,7 +511,77 @@ class Planning:
             return self._advance(plan), None
 
         plan, _ = self._update(plan_id, command)
-        return self._describe(plan, plan.id, local=False)
+        return self._describe(plan, _shown(plan), local=False)
+
+    def compensate(self, plan_id: str, *, by: str, reason: str) -> PlanStatus:
+        """Propose undoing a plan's succeeded steps, as a plan of its own
+        (`<plan id>-undo`): one step per succeeded step whose contract names a
+        compensation, in the reverse order (a step is undone after every step that
+        depended on it), checked and approved like any plan; each undoing operation
+        and the step it undoes are linked both ways. Steps whose effect no tool undoes
+        are left (the status's `compensation` says which). `by`: who asks."""
+        if not reason.strip():
+            raise InvalidProposal("a compensation needs a reason (why undo what happened)")
+        plan = self.get(plan_id)
+        if not plan.state.is_final or plan.state in (PlanState.REJECTED,
+                                                      PlanState.APPROVAL_DENIED,
+                                                      PlanState.APPROVAL_EXPIRED):
+            raise IllegalTransition(
+                f"only a plan that ran is undone; this one is {plan.state.value}",
+                operation_id=plan.id,
+            )
+        undoable: dict[str, tuple[Operation, Any]] = {}
+        for one in plan.steps:
+            name = one["step"]
+            contract = self._checker.catalog.get(one["tool"])
+            if name not in plan.released or contract is None or contract.compensation is None:
+                continue
+            operation = self._runner.get(plan.released[name])
+            if operation.state is OperationState.SUCCEEDED:
+                undoable[name] = (operation, contract.compensation)
+        if not undoable:
+            raise InvalidProposal("no succeeded step of this plan is undone by a tool")
+        names = {name: f"undo-{name}" if len(name) <= 59 else f"undo-{i}"
+                 for i, name in enumerate(undoable)}
+        steps = []
+        for one in reversed(plan.steps):
+            name = one["step"]
+            if name not in undoable:
+                continue
+            operation, compensation = undoable[name]
+            kept = self._status.status(operation.id).result
+            result = kept.data if kept is not None else None
+            dependents = [
+                names[other["step"]] for other in plan.steps
+                if name in other["depends_on"] and other["step"] in undoable
+            ]
+            steps.append({
+                "step": names[name],
+                "operation_id": host_operation_id(compensation_id(operation.id, plan.host)),
+                "tool_name": compensation.tool,
+                "arguments": compensation_arguments(
+                    compensation.arguments, operation.arguments or {}, result
+                ),
+                "depends_on": dependents,
+            })
+        body = plan.plan
+        proposal = PlanProposal.model_validate({
+            "plan_id": f"{host_operation_id(plan.id.removesuffix(PLAN_ID_SUFFIX))}-undo",
+            "conversation_id": body["conversation_id"],
+            "requested_by_user_id": body["requested_by_user_id"],
+            "steps": steps,
+        })
+        context = RuntimeContext(
+            principal=plan.actor,
+            tenant=plan.tenant,
+            capabilities=frozenset(plan.capabilities),
+            environment=plan.environment,
+        )
+        undoes = _Undoing(plan.id, by, {names[name]: op.id for name, (op, _) in undoable.items()})
+        proposed = self.propose(proposal, context, plan.host, undoes=undoes)
+        return proposed.model_copy(
+            update={"plan_id": ledger_operation_id(plan.host, proposal.plan_id)}
+        )
 
     def advance(self, plan_id: str) -> PlanStatus:
         """Release what may run, skip what no longer can, settle the plan once every
@@ -493,7 +599,7 @@ class Planning:
             return self._advance(plan), None
 
         plan, _ = self._update(plan_id, command)
-        return self._describe(plan, plan.id, local=False)
+        return self._describe(plan, _shown(plan), local=False)
 
     def open_ids(self) -> list[str]:
         """Every plan still open (awaiting approval or running), found in the store: a
@@ -568,10 +674,12 @@ class Planning:
                     need in steps and steps[need].state is OperationState.SUCCEEDED
                     for need in one["depends_on"]
                 ):
-                    operation = self._release(plan, one, steps)
+                    operation, undone = self._release(plan, one, steps)
                     plan.release_step(step=name, operation_id=operation.id, now=now)
                     steps[name] = operation
                     changed.append(operation)
+                    if undone is not None:
+                        changed.append(undone)
                     progress = True
         self._settle_if_done(plan, steps, now)
         return changed
@@ -594,9 +702,11 @@ class Planning:
 
     def _release(
         self, plan: Plan, one: dict[str, Any], steps: dict[str, Operation]
-    ) -> Operation:
+    ) -> tuple[Operation, Operation | None]:
         """Build the operation of one step: its references replaced by the values they
-        name, checked in full, ready at once where the plan's approval covers it."""
+        name, checked in full, ready at once where the plan's approval covers it; and,
+        for a step that undoes another plan's, that step's operation with its
+        `CompensationProposed` (saved in the same append: linked both ways)."""
         arguments = self._resolved(one["arguments"], steps)
         context = RuntimeContext(
             principal=plan.actor,
@@ -619,6 +729,14 @@ class Planning:
             arguments=arguments,
             operation_id=local,
         )
+        undone = None
+        by = plan.proposed_by or f"host:{plan.host}"
+        if one.get("compensates"):
+            undone = self._runner.get(one["compensates"])
+            undone.note_compensation(
+                compensation_id=operation_id, by=by, reason=f"undone by plan {plan.id}",
+                now=self._clock(),
+            )
         operation, _ = self._submissions.step_operation(
             operation_id,
             call,
@@ -631,8 +749,9 @@ class Planning:
                 approvers=tuple(plan.approvers),
                 approved_risk=RiskLevel(one["risk"]),
             ),
+            compensates=(undone.id, by) if undone is not None else None,
         )
-        return operation
+        return operation, undone
 
     def _resolved(self, arguments: Any, steps: dict[str, Operation]) -> Any:
         """`arguments` with every reference replaced by the result field it names (the
@@ -679,6 +798,11 @@ class Planning:
             return self._runner.get(operation_id).plan
         except LedgerError:
             return None
+
+
+def _shown(plan: Plan) -> str:
+    """A plan's ID as people and approvers see it: `<host>/<plan id>`."""
+    return plan.id.removesuffix(PLAN_ID_SUFFIX)
 
 
 _RETRYABLE = frozenset(

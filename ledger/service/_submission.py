@@ -330,6 +330,32 @@ class Submissions:
                 self._budget.clear_pending()
         return Submission(operation.id, operation.state, decision, True)
 
+    def compensation(
+        self,
+        operation_id: str,
+        proposal: ToolProposal,
+        context: RuntimeContext,
+        host: str,
+        *,
+        compensates: str,
+        by: str,
+    ) -> tuple[Operation, Decision]:
+        """The operation that undoes `compensates`, built and checked but not saved (it is
+        saved with the original's `CompensationProposed`): a call of its own, checked,
+        approved and budgeted like any, proposed by `by` on behalf of the original caller."""
+        try:
+            return self._new_operation(
+                operation_id,
+                proposal,
+                context,
+                fingerprint(proposal, context, host),
+                host,
+                compensates=(compensates, by),
+            )
+        finally:
+            if self._budget is not None:
+                self._budget.clear_pending()
+
     def step_operation(
         self,
         operation_id: str,
@@ -337,12 +363,15 @@ class Submissions:
         context: RuntimeContext,
         host: str,
         step_of: StepOf,
+        compensates: tuple[str, str] | None = None,
     ) -> tuple[Operation, Decision]:
         """The operation of a released plan step, built and checked but not saved (the
         plan saves it together with its `StepReleased`). Its arguments are the step's
         with every reference replaced by the value it names, checked in full like any
         call; the plan's approval stands in for its own only while the step is no
-        riskier than when the plan was approved and its contract asks for no preview."""
+        riskier than when the plan was approved and its contract asks for no preview.
+        `compensates`: (the operation it undoes, who proposed that), for a step of a
+        compensation plan."""
         try:
             return self._new_operation(
                 operation_id,
@@ -351,6 +380,7 @@ class Submissions:
                 fingerprint(proposal, context, host),
                 host,
                 step_of=step_of,
+                compensates=compensates,
             )
         finally:
             if self._budget is not None:
@@ -432,6 +462,7 @@ class Submissions:
         trace_parent: str | None = None,
         retries: tuple[str, str] | None = None,
         step_of: StepOf | None = None,
+        compensates: tuple[str, str] | None = None,
     ) -> tuple[Operation, Decision]:
         pending_repair: list[Operation] = []
         operation, decision = self._build_operation(
@@ -445,6 +476,7 @@ class Submissions:
             trace_parent,
             retries,
             step_of,
+            compensates,
         )
         for target in pending_repair:
             assert repaired is not None
@@ -464,6 +496,7 @@ class Submissions:
         trace_parent: str | None = None,
         retries: tuple[str, str] | None = None,
         step_of: StepOf | None = None,
+        compensates: tuple[str, str] | None = None,
     ) -> tuple[Operation, Decision]:
         now = self._clock()
         target, depth, refusal = self._repair_link(proposal, host, operation_id, repaired)
@@ -522,7 +555,8 @@ class Submissions:
             repair_depth=depth if target is not None else 0,
             trace_parent=trace_parent,
             retries=retries[0] if retries else None,
-            proposed_by=retries[1] if retries else None,
+            proposed_by=(retries or compensates or (None, None))[1],
+            compensates=compensates[0] if compensates else None,
             plan=step_of.plan_id if step_of is not None else None,
             step=step_of.step if step_of is not None else None,
         )

@@ -8,7 +8,9 @@ on SQLite and PostgreSQL: seed 001's examples with the file-sharing sample tools
   and what can be undone, and a retry that runs only the failed step;
 - an executor killed right after its effect: the step converges on one effect;
 - an approval of one plan presented for another: refused;
-- another host can neither see nor cancel a plan.
+- another host can neither see nor cancel a plan;
+- a write undone by its compensation: an operation of its own, proposed by an
+  operator, approved by an approver, linked both ways, and the file is gone.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from typing import Any
 import pytest
 
 from executors.samples.files import CRASH_AFTER_ENV, FakeDrive, count_requests, set_chat_down
-from ledger.client import AgentHostClient, ApproverClient, RequestRefused
+from ledger.client import AgentHostClient, ApproverClient, OperatorClient, RequestRefused
 from ledger.nats import connect_as
 from policy.catalog import FILES_CATALOG_DIR
-from schemas import PlanProposal, PlanStatus, RuntimeContext
+from schemas import PlanProposal, PlanStatus, RuntimeContext, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
-TOOLS = ("create_folder", "write_file", "grant_access", "notify_user")
+TOOLS = ("create_folder", "write_file", "grant_access", "notify_user", "delete_file")
 ALICE = RuntimeContext(
     principal="alice",
     tenant="acme",
@@ -240,3 +242,50 @@ async def test_another_host_can_neither_see_nor_cancel_a_plan(
     assert (await host.plan_status("mine")).state == "awaiting_approval"
     cancelled = await host.cancel_plan("mine", reason="not needed")
     assert (cancelled.state, cancelled.cancel_requested) == ("awaiting_approval", True)
+
+
+async def test_a_compensation_is_its_own_approved_operation_and_undoes_the_effect(
+    stack: BackendStack, host: AgentHostClient, carol: ApproverClient
+) -> None:
+    reply = await host.propose(ToolProposal(
+        proposal_id="p-save", conversation_id="c-1", requested_by_user_id="alice",
+        tool_name="write_file", operation_id="op-save",
+        arguments={"path": "/shared/draft.md", "content": "draft"},
+    ), ALICE)
+    assert reply.state == "ready"
+    assert (await host.outcome("op-save", timeout=30)).state == "succeeded"
+    drive = FakeDrive(drive_path(stack))
+    assert "/shared/draft.md" in drive.files()
+    nc = await connect_as(stack.server.url, stack.credentials.operator("ops-lead"))
+    operator = OperatorClient(nc, "ops-lead")
+    try:
+        undo = await operator.compensate("h1/op-save", reason="saved in the wrong place")
+        assert (undo.operation_id, undo.state, undo.tool) == (
+            "h1/op-save-c", "awaiting_approval", "delete_file"
+        )
+        # Nothing is undone on the operator's word alone: its own approval first.
+        await asyncio.sleep(0.5)
+        assert "/shared/draft.md" in drive.files()
+        assert count_requests(drive_path(stack), "delete_file") == 0
+        again = await operator.compensate("h1/op-save", reason="saved in the wrong place")
+        assert again.operation_id == "h1/op-save-c"  # the same compensation, not a second
+    finally:
+        await nc.close()
+    ledger = stack.ledger()
+    try:
+        approval = ledger.get("h1/op-save-c").approval
+        assert approval is not None
+        shown = approval.effect_preview["proposal_hash"]
+    finally:
+        ledger.close()
+    await carol.approve("h1/op-save-c", proposal_hash=shown)
+    assert (await host.outcome("op-save-c", timeout=30)).state == "succeeded"
+    assert "/shared/draft.md" not in drive.files()
+    assert count_requests(drive_path(stack), "delete_file") == 1
+    ledger = stack.ledger()
+    try:
+        assert ledger.get("h1/op-save").compensated_by == "h1/op-save-c"
+        assert ledger.get("h1/op-save-c").compensates == "h1/op-save"
+        assert ledger.get("h1/op-save-c").proposed_by == "operator:ops-lead"
+    finally:
+        ledger.close()

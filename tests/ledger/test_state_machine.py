@@ -215,6 +215,9 @@ COMMANDS: dict[str, Callable[[Operation], Any]] = {
     "note_retry": lambda op: op.note_retry(
         retry_id="h1/op-1-r1", by="operator:ops", reason="provider fixed", via="nats", now=T0
     ),
+    "note_compensation": lambda op: op.note_compensation(
+        compensation_id="h1/op-1-c", by="operator:ops", reason="the customer kept it", now=T0
+    ),
     "request_cancel": lambda op: op.request_cancel(by="alice", reason="", now=T0),
     "confirm_cancelled": lambda op: op.confirm_cancelled(by="e", now=T0),
     "note_publication_set_aside": lambda op: op.note_publication_set_aside(
@@ -251,6 +254,7 @@ EXPECTED: dict[tuple[OperationState, str], OperationState] = {
     (S.CANCEL_REQUESTED, "confirm_cancelled"): S.CANCELLED,
     (S.SUCCEEDED, "record_result"): S.SUCCEEDED,
     (S.SUCCEEDED, "request_cancel"): S.SUCCEEDED,  # CancelTooLate
+    (S.SUCCEEDED, "note_compensation"): S.SUCCEEDED,  # the undo is a new operation
     (S.FAILED, "record_result"): S.FAILED,  # a different outcome: recorded, not applied
     (S.FAILED, "schedule_retry"): S.READY,
     (S.FAILED, "note_retry"): S.FAILED,  # the retry is a new operation; this one stands
@@ -294,7 +298,7 @@ PAIRS = [(state, command) for state in S for command in COMMANDS]
 def test_every_state_has_a_builder_and_every_command_a_rule() -> None:
     assert set(BUILDERS) == set(S)
     assert set(COMMANDS) == set(ALLOWED)
-    assert len(PAIRS) == len(S) * len(COMMANDS) == 16 * 21
+    assert len(PAIRS) == len(S) * len(COMMANDS) == 16 * 22
 
 
 @pytest.mark.parametrize(("state", "command"), PAIRS, ids=[f"{s.value}-{c}" for s, c in PAIRS])

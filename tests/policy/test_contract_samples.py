@@ -247,7 +247,7 @@ def _contract_files() -> list[Path]:
     return sorted(CATALOG_DIR.glob("*.yaml"))
 
 
-def test_catalog_has_the_eight_sample_tools(registry: ContractRegistry) -> None:
+def test_catalog_has_the_nine_sample_tools(registry: ContractRegistry) -> None:
     assert registry.names() == sorted(
         [
             "search_documents",
@@ -257,6 +257,7 @@ def test_catalog_has_the_eight_sample_tools(registry: ContractRegistry) -> None:
             "create_ticket",
             "delete_document",
             "request_refund",
+            "cancel_refund",
             "query_orders",
         ]
     )
