@@ -24,6 +24,10 @@
     opledger approvals approve OP_ID --approver NAME --proposal-hash HASH [--preview-hash HASH]
     opledger approvals deny OP_ID --approver NAME [--reason TEXT]
     opledger approvals approve OP_ID --break-glass --as USER --role ROLE --proposal-hash HASH
+    opledger plans show PLAN_ID
+    opledger plans approve PLAN_ID --approver NAME --plan-hash HASH
+    opledger plans deny PLAN_ID --approver NAME [--reason TEXT]
+    opledger plans retry|compensate PLAN_ID --break-glass --as USER --reason TEXT
         [--preview-hash HASH]
 
 Every command is a subcommand of one parser, and takes the global options
@@ -86,6 +90,7 @@ from ledger.entrypoints.parsing import (
     global_options,
     settings_from,
 )
+from ledger.entrypoints.plans import add_plan_decision_arguments, plan_view, render_plan
 from ledger.entrypoints.processes import add_process_commands
 from ledger.entrypoints.progress import Progress
 from ledger.entrypoints.render import (
@@ -294,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ops(groups, common)
     _add_audit(groups, common)
     _add_approvals(groups, common)
+    _add_plans(groups, common)
     return parser
 
 
@@ -477,6 +483,32 @@ def _add_approvals(groups: Any, common: argparse.ArgumentParser) -> None:
         WRITE,
     )
     add_decision_arguments(deny, "deny")
+
+
+def _add_plans(groups: Any, common: argparse.ArgumentParser) -> None:
+    actions = _group(groups, "plans", "plans of several tool calls, approved as one", common)
+    show = _leaf(actions, "show", "a plan: every step's effect, its steps' states, its hash",
+                 common, plans_show)
+    show.add_argument("plan_id", metavar="PLAN_ID")
+    approve = _leaf(actions, "approve", "approve exactly the plan you reviewed, every step of"
+                    " it, as your approver identity (over NATS)", common, plans_show)
+    add_plan_decision_arguments(approve, "approve")
+    deny = _leaf(actions, "deny", "deny the plan, as your approver identity (over NATS): none"
+                 " of it runs", common, plans_show)
+    add_plan_decision_arguments(deny, "deny")
+    for name, help_, command in (
+        ("retry", "run a failed or partially succeeded plan's failed and skipped steps"
+         " again (never a succeeded one)", plans_retry_break_glass),
+        ("compensate", "propose undoing the plan's succeeded steps, as a plan of its own"
+         " that needs its own approval", plans_compensate_break_glass),
+    ):
+        leaf = _leaf(actions, name, help_ + " (writes the database: --break-glass)", common,
+                     command, WRITE)
+        leaf.add_argument("plan_id", metavar="PLAN_ID")
+        leaf.add_argument("--break-glass", action="store_true", required=True,
+                          help="write the database directly, recorded as break-glass:USER")
+        leaf.add_argument("--as", dest="user", required=True, metavar="USER", help="who")
+        leaf.add_argument("--reason", required=True, help="why (recorded)")
 
 
 def _positive(text: str) -> int:
@@ -816,6 +848,29 @@ def approvals_deny_break_glass(ledger: Ledger, args: argparse.Namespace) -> Outp
         via="break_glass",
     )
     return Output(decision_view(operation, "denied", args.user, "break_glass"), render_decision)
+
+
+def plans_show(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`plans show`: the plan as its approvers and operators see it (writes nothing)."""
+    return Output(plan_view(ledger, args.plan_id), render_plan)
+
+
+def plans_retry_break_glass(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`plans retry --break-glass`: the failed and skipped steps run again."""
+    ledger.retry_plan(args.plan_id, by=_plan_person(args), reason=args.reason)
+    return Output(plan_view(ledger, args.plan_id), render_plan)
+
+
+def plans_compensate_break_glass(ledger: Ledger, args: argparse.Namespace) -> Output:
+    """`plans compensate --break-glass`: a plan of its own that undoes the succeeded steps."""
+    undo = ledger.compensate_plan(args.plan_id, by=_plan_person(args), reason=args.reason)
+    return Output(plan_view(ledger, undo.plan_id), render_plan)
+
+
+def _plan_person(args: argparse.Namespace) -> str:
+    if not args.user.strip() or len(args.reason) > 500:
+        raise ConfigError("--as names who you are; --reason has at most 500 characters")
+    return f"break-glass:{' '.join(args.user.split())}"
 
 
 def _check_break_glass(args: argparse.Namespace) -> None:

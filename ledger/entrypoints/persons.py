@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from nats.aio.client import Client
 from pydantic import ValidationError
@@ -23,7 +24,7 @@ from ledger.config import ConfigError, Settings
 from ledger.embedded import running_stack
 from ledger.nats import Identity, Role, connect_as
 from ledger.nats.errors import CredentialsError
-from schemas import ErrorCategory, OperationStatus, OpledgerError, check_token
+from schemas import ErrorCategory, OperationStatus, OpledgerError, PlanStatus, check_token
 
 __all__ = [
     "NatsRefusedIdentity",
@@ -112,8 +113,10 @@ def invalid_request(error: ValidationError) -> ConfigError:
     return ConfigError(f"{where}: {first['msg']}")
 
 
-Send = Callable[[Client, Identity], Awaitable[OperationStatus]]
-"""One request over a person's connection: (connection, identity) → the status after."""
+Answer = TypeVar("Answer", OperationStatus, PlanStatus)
+Send = Callable[[Client, Identity], Awaitable[Answer]]
+"""One request over a person's connection: (connection, identity) → the status after (an
+operation's, or a plan's)."""
 
 
 def request_as_person(
@@ -122,15 +125,15 @@ def request_as_person(
     args: argparse.Namespace,
     settings: Settings,
     subject: Callable[[str], str],
-    send: Send,
-) -> tuple[Identity, OperationStatus]:
+    send: Send[Answer],
+) -> tuple[Identity, Answer]:
     """Send one request as the person `--<flag> NAME` names, with their own seed, on
     their own `subject`; a refusal of any kind is one line (`ConfigError`,
     `NatsRefusedIdentity`, the ledger's own error), never a traceback."""
     identity = person_identity(role, args.identity, args.seed, settings, flag)
     url = nats_url(args.nats_url, settings)
 
-    async def request() -> OperationStatus:
+    async def request() -> Answer:
         async with connected(url, identity, subject) as nc:
             return await send(nc, identity)
 

@@ -16,6 +16,9 @@ on SQLite and PostgreSQL: seed 001's examples with the file-sharing sample tools
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,17 @@ def start(stack: BackendStack, tool: str, **env: str) -> None:
 
 def drive_path(stack: BackendStack) -> Path:
     return stack.home / "drive.db"
+
+
+@pytest.fixture
+def sqlite_stack(tmp_path: Path) -> Iterator[BackendStack]:
+    """One backend is enough for the command line: it reads what the service stored."""
+    with backend_stack(tmp_path / "stack", "sqlite", hosts=["h1"], tools=TOOLS,
+                       contracts=FILES_CATALOG_DIR,
+                       approvers={"carol": ["files_admin"]}) as running:
+        for tool in TOOLS:
+            start(running, tool)
+        yield running
 
 
 @pytest.fixture
@@ -289,3 +303,42 @@ async def test_a_compensation_is_its_own_approved_operation_and_undoes_the_effec
         assert ledger.get("h1/op-save-c").proposed_by == "operator:ops-lead"
     finally:
         ledger.close()
+
+
+def _cli(stack: BackendStack, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ledger.entrypoints", *args,
+         "--database", str(stack.home / "ledger.db"), "--home", str(stack.home)],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "OPLEDGER_CONTRACTS_DIR": str(FILES_CATALOG_DIR),
+             "OPLEDGER_NATS_URL": stack.server.url,
+             "OPLEDGER_CREDS_DIR": str(stack.home / "creds")},
+    )
+
+
+async def test_an_approver_sees_every_step_and_approves_the_plan_from_the_command_line(
+    sqlite_stack: BackendStack,
+) -> None:
+    stack = sqlite_stack
+    nc = await connect_as(stack.server.url, stack.credentials.host("h1"))
+    host = AgentHostClient(nc, "h1", poll_interval=0.2)
+    try:
+        status = await host.propose_plan(share_plan("cli"), ALICE)
+        assert status.plan_hash is not None
+        shown = _cli(stack, "plans", "show", "h1/cli")
+        assert shown.returncode == 0, shown.stderr
+        # Every step's exact effect, where a value comes from, and the hash to approve.
+        for text in ("1. create-file: write_file", "2. grant: grant_access",
+                     "file_id: </file_id of create-file's result>", "person: bob",
+                     "3. notify: notify_user", f"Plan hash: {status.plan_hash}"):
+            assert text in shown.stdout, (text, shown.stdout)
+        wrong = _cli(stack, "plans", "approve", "h1/cli", "--approver", "carol",
+                     "--plan-hash", "0" * 64)
+        assert wrong.returncode == 2 and "proposal_hash_mismatch" in wrong.stderr
+        done = _cli(stack, "plans", "approve", "h1/cli", "--approver", "carol",
+                    "--plan-hash", status.plan_hash)
+        assert done.returncode == 0, done.stderr
+        assert "it is now running" in done.stdout
+        assert (await host.plan_outcome("cli", timeout=30)).state == "succeeded"
+    finally:
+        await nc.close()

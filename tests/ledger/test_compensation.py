@@ -19,7 +19,16 @@ from ledger.domain.errors import IllegalTransition, InvalidProposal
 from ledger.domain.states import OperationState as S
 from policy.catalog import FILES_CATALOG_DIR
 from schemas import LeaseDecision, PlanProposal, PreviewReport, RuntimeContext
-from tests.ledger.helpers import ALICE, make_ledger, previewed, proposal, result, search
+from tests.ledger.helpers import (
+    ALICE,
+    cli,
+    make_ledger,
+    previewed,
+    proposal,
+    result,
+    search,
+    use_storage,
+)
 
 FINANCE = ["finance_approver"]
 REFUNDED = {"refund_id": "rf-0123456789abcdef", "order_id": "order-1004",
@@ -179,3 +188,48 @@ def test_a_partially_succeeded_plan_proposes_undoing_its_succeeded_steps_as_a_pl
         assert report.ok, [finding.describe() for finding in report.findings]
     finally:
         ledger.close()
+
+
+def _partially_succeeded(ledger: Ledger, plan_id: str) -> None:
+    ledger.propose_plan(PlanProposal.model_validate({
+        "plan_id": plan_id, "conversation_id": "c-1", "requested_by_user_id": "alice",
+        "steps": [
+            {"step": "folder", "operation_id": f"{plan_id}-folder", "tool_name": "create_folder",
+             "arguments": {"path": "/q4"}},
+            {"step": "tell", "operation_id": f"{plan_id}-tell", "tool_name": "notify_user",
+             "arguments": {"person": "bob", "message": "q4"}, "depends_on": ["folder"]},
+        ],
+    }), FILES, "h1")
+    _run(ledger, f"h1/{plan_id}-folder", "create_folder", {"path": "/q4", "created": True})
+    ledger.advance_plan(f"h1/{plan_id}")
+    _run(ledger, f"h1/{plan_id}-tell", "notify_user", None)
+    assert ledger.advance_plan(f"h1/{plan_id}").state == "partially_succeeded"
+
+
+def test_the_command_line_retries_and_undoes_a_plan_and_says_who_did(
+    storage: StorageConfig, tmp_path: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    ledger = make_ledger(storage, contracts_dir=FILES_CATALOG_DIR, resolver=None, rules={})
+    try:
+        _partially_succeeded(ledger, "q4")
+    finally:
+        ledger.close()
+    use_storage(monkeypatch, tmp_path, storage)
+    monkeypatch.setenv("OPLEDGER_CONTRACTS_DIR", str(FILES_CATALOG_DIR))
+    code, out, err = cli(capsys, "plans", "show", "h1/q4")
+    assert code == 0, err
+    assert "partially succeeded" in out and "a retry runs it again" in out
+    assert "undone by remove_folder" in out
+    refused, _, err = cli(capsys, "plans", "compensate", "h1/q4", "--as", "olga",
+                          "--reason", "wrong quarter")
+    assert refused == 64 and "--break-glass" in err  # never without saying so
+    code, out, err = cli(capsys, "plans", "compensate", "h1/q4", "--break-glass", "--as",
+                         "olga", "--reason", "wrong quarter")
+    assert code == 0, err
+    assert "Plan h1/q4-undo: awaiting approval" in out
+    assert "proposed by break-glass:olga to undo plan h1/q4" in out
+    assert "remove_folder" in out
+    code, out, err = cli(capsys, "plans", "retry", "h1/q4", "--break-glass", "--as", "olga",
+                         "--reason", "chat is back")
+    assert code == 0, err
+    assert "Plan h1/q4: running" in out
