@@ -12,6 +12,7 @@ same over NATS with real executor processes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -347,3 +348,21 @@ def test_a_plan_approval_is_recorded_in_the_events_and_verify_passes(ledger: Led
     assert plan_state is PlanState.RUNNING
     step_op = ledger.get(ledger_operation_id(HOST, "op-create-file"))
     assert step_op.state is OperationState.READY
+
+
+def test_an_unapproved_plan_expires_and_none_of_it_runs(storage: StorageConfig) -> None:
+    now = [datetime.now(UTC)]
+    ledger = make_ledger(storage, contracts_dir=FILES_CATALOG_DIR, resolver=None, rules={},
+                         clock=lambda: now[0])
+    try:
+        status = ledger.propose_plan(share_plan("late"), ALICE, HOST)
+        assert status.state == "awaiting_approval" and status.plan_hash is not None
+        plan_id = ledger.plans.ledger_id(HOST, "late")
+        now[0] += timedelta(hours=2)  # grant_access's approval expires after an hour
+        assert ledger.advance_plan(plan_id).state == "approval_expired"
+        with pytest.raises(ApprovalRefused, match="approval_consumed"):
+            ledger.approve_plan(plan_id, approver="carol", approver_roles=ADMINS,
+                                plan_hash=status.plan_hash)
+        assert all(row.state == "waiting" for row in ledger.plan_status("late", host=HOST).steps)
+    finally:
+        ledger.close()
