@@ -25,21 +25,18 @@ import argparse
 import asyncio
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # `bench.e2e_bench`, when run as a script
+# The e2e bench's stack, imported as the script next to this one (bench/ is on the path).
+from e2e_bench import CONTEXT, HOST, TOOL, Settings, Stack
 
-from bench.e2e_bench import CONTEXT, HOST, TOOL, Settings, Stack  # noqa: E402
-from ledger.client import AgentHostClient  # noqa: E402
-from ledger.nats import connect_as  # noqa: E402
-from schemas import PlanProposal, ToolProposal  # noqa: E402
+from ledger.client import AgentHostClient
+from ledger.nats import connect_as
+from schemas import PlanProposal, ToolProposal
 
 STEPS = 10
 
