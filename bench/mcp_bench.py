@@ -4,8 +4,9 @@
 
 In one run it starts nats-server, the ledger service (SQLite), the sample MCP
 server of `tests/mcp/sample_server.py`, `opledger executor mcp` for its `noop`
-tool and `opledger mcp serve` for one host, then times the SDK's MCP client
-calling `noop` (sequentially, one call in flight) two ways:
+tool and `opledger mcp serve` for one host (over HTTP, with a bearer token as it
+must be), then times the SDK's MCP client calling `noop` (sequentially, one call
+in flight) two ways:
 
 - **direct**: client → sample server;
 - **ledger**: client → gateway → ledger (check, record) → executor (lease,
@@ -20,17 +21,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 
 from ledger.nats import CredentialSet, NatsServer, connect_as, generate_credentials
 from schemas import StatusRequest, Subjects
@@ -58,6 +63,18 @@ def _wait_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 3
     raise RuntimeError(f"nothing listens on {port}")
 
 
+def _bearer(url: str, token: str) -> AbstractAsyncContextManager[Any]:
+    """The SDK's Streamable HTTP transport to `url`, sending `token` as its bearer token."""
+
+    @asynccontextmanager
+    async def transport() -> AsyncIterator[Any]:
+        async with create_mcp_http_client(headers={"Authorization": f"Bearer {token}"}) as http, \
+                streamable_http_client(url, http_client=http) as streams:
+            yield streams
+
+    return transport()
+
+
 async def _wait_ledger(url: str, credentials: CredentialSet, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -77,6 +94,7 @@ async def _wait_ledger(url: str, credentials: CredentialSet, timeout_s: float = 
 def _stack(home: Path, transport: str) -> Iterator[tuple[Client, Client]]:
     """(direct client, ledger client), both unentered, with every process running."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_MCP_EFFECTS": str(home / "fx")}
+    env.pop("OPLEDGER_MCP_TOKEN", None)  # the gateway's token is the --token-file below
     credentials = generate_credentials(home / "creds", hosts=("bench",), tools=("noop",))
     server = NatsServer(home / "nats", authorization=credentials.authorization_config)
     server.start()
@@ -110,10 +128,16 @@ def _stack(home: Path, transport: str) -> Iterator[tuple[Client, Client]]:
                    "--creds", str(credentials.host("bench").seed_path),
                    "--nats-url", server.url, "--principal", "bench", "--tenant", "bench"]
         if transport == "http":
+            # The gateway's endpoint takes only its bearer token (docs/mcp.md).
+            token = secrets.token_urlsafe(32)
+            token_file = home / "gateway.token"
+            token_file.touch(mode=0o600)
+            token_file.write_text(token, encoding="ascii")
             port = _free_port()
             _wait_port(port, start(*gateway, "--transport", "http",
-                                   "--listen", f"127.0.0.1:{port}"))
-            through: Client = Client(f"http://127.0.0.1:{port}/mcp", cache=None)
+                                   "--listen", f"127.0.0.1:{port}",
+                                   "--token-file", str(token_file)))
+            through: Client = Client(_bearer(f"http://127.0.0.1:{port}/mcp", token), cache=None)
         else:
             through = Client(StdioServerParameters(command=gateway[0], args=gateway[1:], env=env,
                                                    cwd=str(ROOT)), cache=None)

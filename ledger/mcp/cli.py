@@ -1,7 +1,7 @@
 """The three `opledger` commands of the MCP bridge, added by `ledger.entrypoints`:
 
     opledger mcp serve --host NAME --principal P --tenant T [--capability C]... \\
-        [--transport stdio|http] [--listen 127.0.0.1:8765]
+        [--transport stdio|http] [--listen 127.0.0.1:8765] [--token-file PATH]
     opledger executor mcp --tool NAME (--upstream URL | --upstream-command CMD...)
     opledger tools import-mcp (--upstream URL | --upstream-command CMD...) --out DIR
 
@@ -17,16 +17,21 @@ import logging
 import os
 import secrets
 import shlex
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ledger.config import ConfigError, Settings
 from ledger.mcp._errors import McpConfigError
 
+if TYPE_CHECKING:
+    from executors import ExecutorRunner
+
 __all__ = ["add_executor_mcp", "add_import_mcp", "add_mcp_command"]
 
 _STATE_KEY_ENV = "OPLEDGER_MCP_STATE_KEY"
+_TOKEN_ENV = "OPLEDGER_MCP_TOKEN"  # `ledger.mcp._auth.TOKEN_ENV`, without loading the SDK
 
 
 def _seconds(text: str) -> float:
@@ -89,6 +94,17 @@ def add_mcp_command(groups: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--listen", default="127.0.0.1:8765", metavar="HOST:PORT",
                        help="for --transport http (default: 127.0.0.1:8765)")
     serve.add_argument("--path", default="/mcp", help="the MCP endpoint path (default: /mcp)")
+    auth = serve.add_argument_group(
+        "client authentication (--transport http)",
+        f"Every HTTP request must carry `Authorization: Bearer <token>`: the token is read"
+        f" from --token-file, else from ${_TOKEN_ENV}; at least 32 random bytes.",
+    )
+    auth.add_argument("--token-file", type=Path, metavar="PATH",
+                      help="a file (mode 600) holding this gateway's one bearer token"
+                      f" (default: ${_TOKEN_ENV})")
+    auth.add_argument("--insecure-no-auth", action="store_true",
+                      help="serve without a token; refused unless --listen is a loopback"
+                      " address (default: a token is required)")
     serve.add_argument("--approval-round", type=_seconds, default=10.0, metavar="S",
                        help="seconds one round of a call awaiting approval waits (default: 10)")
     serve.add_argument("--outcome-wait", type=_seconds, default=60.0, metavar="S",
@@ -128,16 +144,53 @@ def _state_key() -> bytes:
     return key
 
 
+def _bearer_token(args: argparse.Namespace) -> str | None:
+    """The HTTP endpoint's bearer token: from --token-file, else from the environment."""
+    from ledger.mcp._auth import check_token, read_token_file
+
+    from_env = os.environ.get(_TOKEN_ENV)
+    if args.token_file is not None:
+        if from_env:
+            raise McpConfigError(
+                f"give --token-file or {_TOKEN_ENV}, not both (which one do clients hold?)"
+            )
+        return read_token_file(args.token_file)
+    if from_env:
+        return check_token(from_env, _TOKEN_ENV)
+    return None
+
+
+def _listen(args: argparse.Namespace) -> Any:
+    """Where and how the HTTP endpoint listens; refused before anything starts unless it
+    authenticates its clients (`HttpListen.check`)."""
+    from ledger.mcp.serving import HttpListen
+
+    listen_host, _, port_text = str(args.listen).rpartition(":")
+    if not listen_host or not port_text.isdigit():
+        raise McpConfigError(f"--listen wants HOST:PORT, not {args.listen!r}")
+    if args.transport != "http":
+        if args.token_file is not None or args.insecure_no_auth:
+            raise McpConfigError(
+                "--token-file and --insecure-no-auth are for --transport http: over stdio,"
+                " the client starts the gateway itself"
+            )
+        return HttpListen(host=listen_host, port=int(port_text), path=args.path)
+    listen = HttpListen(
+        host=listen_host, port=int(port_text), path=args.path, token=_bearer_token(args),
+        insecure_no_auth=args.insecure_no_auth,
+    )
+    listen.check()
+    return listen
+
+
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from ledger.mcp.gateway import GatewaySettings
-    from ledger.mcp.serving import HttpListen, serve_gateway
+    from ledger.mcp.serving import serve_gateway
     from schemas import RuntimeContext
 
     if not settings.nats_url:
         raise ConfigError("no NATS URL: give --nats-url or set OPLEDGER_NATS_URL")
-    listen_host, _, port_text = str(args.listen).rpartition(":")
-    if not listen_host or not port_text.isdigit():
-        raise McpConfigError(f"--listen wants HOST:PORT, not {args.listen!r}")
+    listen = _listen(args)
     # Logs go to stderr: on stdio, stdout carries the protocol.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     gateway = GatewaySettings(
@@ -156,8 +209,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     asyncio.run(
         serve_gateway(
             gateway, nats_url=settings.nats_url, identity=_host_identity(args, settings),
-            transport=args.transport,
-            listen=HttpListen(host=listen_host, port=int(port_text), path=args.path),
+            transport=args.transport, listen=listen,
         )
     )
     return 0
@@ -225,7 +277,6 @@ def _executor(args: argparse.Namespace, settings: Settings) -> int:
         load_secrets,
     )
     from ledger.mcp.executor import mcp_tool
-    from ledger.mcp.serving import run_executor_until_stopped
     from schemas import OpledgerError
 
     if not settings.nats_url:
@@ -258,6 +309,31 @@ def _executor(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     asyncio.run(run_executor_until_stopped(runner))
     return 0
+
+
+async def run_executor_until_stopped(runner: ExecutorRunner) -> None:
+    """Run `runner`; the first SIGTERM/SIGINT finishes the current item, a second abandons it."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            runner.stop()
+        elif task is not None:
+            task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await runner.run()
+    except asyncio.CancelledError:
+        pass  # abandoned: the item is redelivered and the ledger decides
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 # -------------------------------------------------------------- tools import-mcp

@@ -3,25 +3,31 @@ process per tool of the sample MCP server, and `opledger mcp serve` gateways.
 
 `stdio`: the MCP client starts the gateway over stdio, and each executor starts
 the sample server over stdio. `http`: the gateways (hosts h1 and h2) and the
-sample server are Streamable HTTP endpoints on free loopback ports.
+sample server are Streamable HTTP endpoints on free loopback ports; each gateway
+has a bearer token of its own (h1's in a `--token-file`, h2's in
+`OPLEDGER_MCP_TOKEN`), which `McpStack.client` sends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
 
 from ledger import Ledger
 from ledger.client import AgentHostClient, ApproverClient
@@ -39,6 +45,30 @@ HOST_CAPABILITIES = {
 }
 APPROVAL_ROUND_S = 1.0
 STATE_KEY = b"one key shared by every gateway of a test stack, 32+ bytes"
+_HOST_TOKEN = object()
+"""`McpStack.client(token=...)` default: the token of the gateway connected to."""
+
+
+def bearer_transport(
+    url: str, token: str | None, statuses: list[int] | None = None
+) -> AbstractAsyncContextManager[Any]:
+    """The SDK's Streamable HTTP client transport to `url`, sending `token` as its bearer
+    token (none when None), over an HTTP client closed with it; the HTTP status of every
+    response is appended to `statuses`."""
+
+    async def record(response: httpx2.Response) -> None:
+        if statuses is not None:
+            statuses.append(response.status_code)
+
+    @asynccontextmanager
+    async def transport() -> AsyncIterator[Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
+        async with create_mcp_http_client(headers=headers) as http:
+            http.event_hooks["response"].append(record)
+            async with streamable_http_client(url, http_client=http) as streams:
+                yield streams
+
+    return transport()
 
 
 def free_port() -> int:
@@ -83,6 +113,8 @@ class McpStack:
     effects_file: Path
     gateways: dict[str, str] = field(default_factory=dict)
     """host → its gateway's URL (http only)."""
+    tokens: dict[str, str] = field(default_factory=dict)
+    """host → its gateway's bearer token (http only)."""
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def gateway_command(self, host: str) -> list[str]:
@@ -98,12 +130,14 @@ class McpStack:
             args += ["--capability", capability]
         return args
 
-    def client(self, host: str = "h1", **options: Any) -> Client:
-        """The SDK's own MCP client, connected to `host`'s gateway."""
+    def client(self, host: str = "h1", *, token: Any = _HOST_TOKEN, **options: Any) -> Client:
+        """The SDK's own MCP client, connected to `host`'s gateway; over HTTP it sends
+        `token` (by default that gateway's own; None: no `Authorization` header)."""
         options.setdefault("input_required_max_rounds", 60)
         options.setdefault("cache", None)
         if self.transport == "http":
-            return Client(self.gateways[host], **options)
+            bearer = self.tokens[host] if token is _HOST_TOKEN else token
+            return Client(bearer_transport(self.gateways[host], bearer), **options)
         params = StdioServerParameters(
             command=sys.executable, args=self.gateway_command(host), cwd=str(ROOT),
             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -214,6 +248,12 @@ def mcp_stack(
 
 
 @pytest.fixture(scope="module")
+def http_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpStack]:
+    """The whole path over Streamable HTTP only: two gateways, each with its own token."""
+    yield from _mcp_stack("http", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def ledger_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[McpStack]:
     """The ledger and the executors (sample server over stdio), for gateways run in the
     test's own process (`McpStack.gateway`)."""
@@ -247,11 +287,21 @@ def _mcp_stack(transport: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 for host in HOST_CAPABILITIES:
                     port = free_port()
                     log = home / f"gateway-{host}.log"
+                    token = mcp.tokens[host] = secrets.token_urlsafe(32)
+                    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                    env.pop("OPLEDGER_MCP_TOKEN", None)
+                    auth: list[str] = []
+                    if host == "h1":  # one gateway reads its token from a file, one from env
+                        token_file = home / f"{host}.token"
+                        token_file.touch(mode=0o600)
+                        token_file.write_text(token + "\n", encoding="ascii")
+                        auth = ["--token-file", str(token_file)]
+                    else:
+                        env["OPLEDGER_MCP_TOKEN"] = token
                     gateway = subprocess.Popen(
                         [sys.executable, *mcp.gateway_command(host), "--transport", "http",
-                         "--listen", f"127.0.0.1:{port}"],
-                        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-                        env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         "--listen", f"127.0.0.1:{port}", *auth],
+                        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                     )
                     mcp.processes.append(gateway)
                     wait_for_port(port, gateway, log)
