@@ -54,7 +54,9 @@ PostgreSQL with the ratio of their best throughputs.
 
 `--prefill N` is the scale run: before the service starts, N events of finished
 no-op operations are stored through the ledger's own batched path and sealed
-with the service's key; the phases then run on that ledger, and afterwards
+with the service's key, and the relay's position is set after them (an old
+history was published when it happened); the phases then run on that ledger,
+and afterwards
 `opledger audit verify` (its own process, read-only) checks all of it, timed.
 With `--prefill 0,N` the summary prints throughput at N events against the
 empty ledger of the same run (target: within 10 %).
@@ -82,7 +84,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,7 @@ from ledger.audit.seal import SealKey
 from ledger.client import AgentHostClient
 from ledger.nats import CredentialSet, NatsServer, connect_as, flush_all, generate_credentials
 from ledger.nats.security import LEDGER_USERS_END, new_user_seed
+from ledger.server.relay import RelayPositions
 from ledger.service import SubmitItem
 from policy.catalog import CATALOG_DIR
 from schemas import (
@@ -650,6 +653,14 @@ def prefill_ledger(stack: Stack, events: int) -> str:
                 ledger.refresh()
         ledger.refresh()
         ((count,),) = ledger.db.query(f"SELECT COUNT(*) FROM {ledger.events_table}")
+        # The history is old: its events went out when they happened. The relay starts
+        # after them, as it would on a ledger that has been running (without this it
+        # would republish the whole history during the phases, and they would measure
+        # that instead of a large store).
+        positions = RelayPositions(ledger.db)
+        now = datetime.now(UTC)
+        if positions.take("prefill", now, now + timedelta(seconds=30)) is not None:
+            positions.release("prefill", ledger.event_reader.last_position())
     finally:
         ledger.close()
     seconds = time.perf_counter() - start
