@@ -34,7 +34,9 @@ from starlette.staticfiles import StaticFiles
 from ledger.domain.errors import ApprovalRefused, LedgerError
 from ledger.domain.event_kinds import when_text
 from ledger.domain.operation import Operation, same_person
+from ledger.domain.plan import Plan, PlanState
 from ledger.domain.states import TERMINAL_STATES, OperationState
+from ledger.entrypoints.plans import plan_view
 from ledger.entrypoints.views import approval_view, pending_view, timeline_entry
 from ledger.service import Ledger
 from ledger.web._auth import Approver, NotAuthenticated, TokenVerifier
@@ -94,6 +96,9 @@ def build_web_app(ledger: Ledger, options: WebOptions) -> Starlette:
         Route("/approve/{operation_id:path}", page.approve, methods=["POST"]),
         Route("/deny/{operation_id:path}", page.deny, methods=["POST"]),
         Route("/operations/{operation_id:path}", page.operation),
+        Route("/plans/{plan_id:path}", page.plan),
+        Route("/approve-plan/{plan_id:path}", page.approve_plan, methods=["POST"]),
+        Route("/deny-plan/{plan_id:path}", page.deny_plan, methods=["POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     return Starlette(routes=routes, max_body_size=_MAX_BODY)
@@ -274,8 +279,20 @@ class _Page:
                 continue  # another team's call: not theirs to see
             item["own"] = same_person(operation.actor) == same_person(approver.name)
             pending.append(item)
+        plans = []
+        for plan_id in self._ledger.plans.open_ids():
+            plan = self._ledger.plans.get(plan_id)
+            approval = plan.approval
+            if (
+                plan.state is PlanState.AWAITING_APPROVAL
+                and approval is not None
+                and approver.roles & set(approval.approver_roles)
+            ):
+                plans.append(plan_view(self._ledger, plan.id) | {
+                    "own": plan.is_requester(approver.name)
+                })
         return await self._render(
-            request, "queue.html", approver=approver, pending=pending,
+            request, "queue.html", approver=approver, pending=pending, plans=plans,
             csrf=self._csrf.token_for(_session_key(token)),
         )
 
@@ -376,6 +393,92 @@ class _Page:
             outcome=operation.outcome.as_dict() if operation.outcome else None,
             decided=decided if decided in _DECISIONS else "",
             csrf=self._csrf.token_for(_session_key(token)),
+        )
+
+    # ------------------------------------------------------------------ plans
+
+    async def _plan_of(self, request: Request) -> tuple[str, Approver, Plan] | Response:
+        """The session and the plan the path names, or the answer instead (the login
+        form, or not found for a missing plan and one not theirs to decide)."""
+        session = await self._session(request)
+        if session is None:
+            return self._login_redirect(request)
+        token, approver = session
+        try:
+            plan = self._ledger.plans.get(request.path_params["plan_id"])
+        except LedgerError:
+            return await self._not_found(request, approver)
+        approval = plan.approval
+        if approval is None or not approver.roles & set(approval.approver_roles):
+            return await self._not_found(request, approver)
+        return token, approver, plan
+
+    async def plan(self, request: Request, *, error: str = "", status: int = 200) -> Response:
+        """A plan as its approvers decide on it: every step's exact effect, in order."""
+        found = await self._plan_of(request)
+        if isinstance(found, Response):
+            return found
+        token, approver, plan = found
+        assert plan.approval is not None
+        view = plan_view(self._ledger, plan.id)
+        decided = request.query_params.get("decided", "")
+        return await self._render(
+            request, "plan.html", status, approver=approver, view=view,
+            steps=plan.approval.effect_preview.get("steps", []),
+            awaiting=plan.state is PlanState.AWAITING_APPROVAL,
+            expired=datetime.now(UTC) >= plan.approval.expires_at,
+            own=plan.approval.separation_of_duties and plan.is_requester(approver.name),
+            still_needed=plan.approval.still_needed(plan.approvals_given),
+            decided=decided if decided in _DECISIONS else "",
+            csrf=self._csrf.token_for(_session_key(token)), error=error,
+        )
+
+    async def approve_plan(self, request: Request) -> Response:
+        return await self._decide_plan(request, "approve")
+
+    async def deny_plan(self, request: Request) -> Response:
+        return await self._decide_plan(request, "deny")
+
+    async def _decide_plan(self, request: Request, decision: str) -> Response:
+        session = await self._session(request)
+        if session is None:
+            return self._login_redirect(request)
+        token, approver = session
+        fields = await self._form(request, token)
+        if fields is None:
+            return await self._forbidden(request, approver)
+        if not approver.roles:
+            return await self._forbidden(request, approver, "You hold no approver role here.")
+        plan_id = request.path_params["plan_id"]
+        if decision == "approve" and not _PROPOSAL_HASH.match(fields.get("plan_hash", "")):
+            return await self._render(
+                request, "message.html", 400, approver=approver, title="Not a plan hash",
+                message="The form did not carry the hash of a plan: open the plan again and"
+                " approve from its page.",
+            )
+        try:
+            if decision == "approve":
+                self._ledger.approve_plan(
+                    plan_id, approver=approver.name, approver_roles=approver.roles,
+                    plan_hash=fields.get("plan_hash", ""), via="web",
+                )
+            else:
+                self._ledger.deny_plan(
+                    plan_id, approver=approver.name, approver_roles=approver.roles,
+                    reason=fields.get("reason", "")[:500], via="web",
+                )
+        except (ApprovalRefused, LedgerError) as refusal:
+            _log.info("%s of plan %s by %s refused: %s", decision, plan_id, approver.name,
+                      refusal.message)
+            found = await self._plan_of(request)
+            if isinstance(found, Response):
+                return await self._render(request, "message.html", 409, approver=approver,
+                                          title="Refused", message=refusal.message)
+            return await self.plan(request, error=refusal.message, status=409)
+        _log.info("%s of plan %s by %s", decision, plan_id, approver.name)
+        return RedirectResponse(
+            f"/plans/{quote(plan_id, safe='/')}?decided={decision}",
+            status_code=303, headers=_HEADERS,
         )
 
     def _set_cookie(self, response: Response, name: str, value: str, *, max_age: int) -> None:

@@ -55,8 +55,9 @@ def token(sub: str = "lead-ana", groups: tuple[str, ...] = ("support-leads",), *
 class Server:
     """The page on a free loopback port, in a thread, over the ledger in `path`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, **ledger_options: Any) -> None:
         self.path = path
+        self._ledger_options = ledger_options
         self.url = ""
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -68,11 +69,12 @@ class Server:
 
         def run() -> None:
             # The ledger is built in the server's own thread, where it is used.
-            ledger = make_ledger(StorageConfig.sqlite(self.path))
+            ledger = make_ledger(StorageConfig.sqlite(self.path), **self._ledger_options)
             settings = TokenSettings(
                 issuer=ISSUER, audience=AUDIENCE, public_key_pem=IDP_PUBLIC,
                 role_map={"support-leads": frozenset({"support_lead"}),
-                          "stewards": frozenset({"data_steward"})},
+                          "stewards": frozenset({"data_steward"}),
+                          "files-admins": frozenset({"files_admin"})},
             )
             app = build_web_app(ledger, WebOptions(verifier=TokenVerifier(settings)))
             self._server = uvicorn.Server(
