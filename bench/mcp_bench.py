@@ -33,9 +33,9 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, context
 from pathlib import Path
 from typing import Any
 
+import httpx2
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
 
 from ledger.nats import CredentialSet, NatsServer, connect_as, generate_credentials
 from schemas import StatusRequest, Subjects
@@ -68,8 +68,13 @@ def _bearer(url: str, token: str) -> AbstractAsyncContextManager[Any]:
 
     @asynccontextmanager
     async def transport() -> AsyncIterator[Any]:
-        async with create_mcp_http_client(headers={"Authorization": f"Bearer {token}"}) as http, \
-                streamable_http_client(url, http_client=http) as streams:
+        # The SDK's transport on a client of our own, the one way to add a header
+        # (its `create_mcp_http_client` is private): its timeouts and redirects.
+        client = httpx2.AsyncClient(
+            headers={"Authorization": f"Bearer {token}"}, follow_redirects=True,
+            timeout=httpx2.Timeout(30.0, read=300.0),
+        )
+        async with client as http, streamable_http_client(url, http_client=http) as streams:
             yield streams
 
     return transport()

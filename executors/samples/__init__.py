@@ -24,6 +24,7 @@ SAMPLE_TOOLS: dict[str, str] = {
     "send_customer_email": "executors.samples.email:send_customer_email",
     "create_ticket": "executors.samples.tickets:create_ticket",
     "request_refund": "executors.samples.orders:request_refund",
+    "cancel_refund": "executors.samples.orders:cancel_refund",
     "query_orders": "executors.samples.orders:query_orders",
 }
 """Tool name → the `MODULE:TOOL` spec of its sample executor."""

@@ -274,6 +274,12 @@ class World:
     orders: dict[str, Order] = field(default_factory=_orders)
     refunds: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Idempotency key → refund record."""
+    earlier_refunds: list[dict[str, Any]] = field(default_factory=lambda: [
+        # The 20.00 already refunded on order-1001 (its `refunded_cents`), requested
+        # before these executors ran: what a cancel of an older refund finds.
+        {"refund_id": "rf-order-1001-1", "order_id": "order-1001", "amount_cents": 2000,
+         "currency": "USD", "status": "requested"},
+    ])
     cancellations: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Idempotency key → refund cancellation record."""
     tickets: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -320,7 +326,7 @@ class World:
             if existing is not None:
                 return existing
             refund = next(
-                (r for r in self.refunds.values()
+                (r for r in (*self.refunds.values(), *self.earlier_refunds)
                  if r["refund_id"] == refund_id and r["order_id"] == order_id),
                 None,
             )
