@@ -674,7 +674,13 @@ class Planning:
                     need in steps and steps[need].state is OperationState.SUCCEEDED
                     for need in one["depends_on"]
                 ):
-                    operation, undone = self._release(plan, one, steps)
+                    released = self._release(plan, one, steps)
+                    if isinstance(released, str):
+                        # It cannot run as planned: skipped, and its dependents after it.
+                        plan.skip_step(step=name, reason=released, because_of="", now=now)
+                        progress = True
+                        continue
+                    operation, undone = released
                     plan.release_step(step=name, operation_id=operation.id, now=now)
                     steps[name] = operation
                     changed.append(operation)
@@ -702,11 +708,16 @@ class Planning:
 
     def _release(
         self, plan: Plan, one: dict[str, Any], steps: dict[str, Operation]
-    ) -> tuple[Operation, Operation | None]:
+    ) -> tuple[Operation, Operation | None] | str:
         """Build the operation of one step: its references replaced by the values they
         name, checked in full, ready at once where the plan's approval covers it; and,
         for a step that undoes another plan's, that step's operation with its
-        `CompensationProposed` (saved in the same append: linked both ways)."""
+        `CompensationProposed` (saved in the same append: linked both ways).
+
+        A step that cannot run as planned is not built, and the reason returned: its
+        operation ID was taken meanwhile by another call (the host's own proposal, or
+        another plan's step: a step never adopts an operation it did not create), or
+        what it undoes was undone by another compensation already."""
         arguments = self._resolved(one["arguments"], steps)
         context = RuntimeContext(
             principal=plan.actor,
@@ -720,6 +731,8 @@ class Planning:
             # A step that runs again is a new operation: its ID says which run it is.
             local = f"{local}-p{plan.retries}"
             operation_id = ledger_operation_id(plan.host, local)
+        if self._runner.tables.stored_ids([operation_id]):
+            return f"its operation ID {local} was taken by another call before it was released"
         body = plan.plan
         call = ToolProposal(
             proposal_id=local,
@@ -733,10 +746,18 @@ class Planning:
         by = plan.proposed_by or f"host:{plan.host}"
         if one.get("compensates"):
             undone = self._runner.get(one["compensates"])
-            undone.note_compensation(
-                compensation_id=operation_id, by=by, reason=f"undone by plan {plan.id}",
-                now=self._clock(),
-            )
+            earlier = undone.compensated_by
+            if earlier is None or earlier == operation_id:
+                undone.note_compensation(
+                    compensation_id=operation_id, by=by, reason=f"undone by plan {plan.id}",
+                    now=self._clock(),
+                )
+            elif self.plan_of(earlier) == plan.id:
+                # A retry of this step: the first run is the compensation the undone
+                # call names; this run names what it undoes in its own `Proposed`.
+                undone = None
+            else:
+                return f"{one['compensates']} was undone by {earlier} already"
         operation, _ = self._submissions.step_operation(
             operation_id,
             call,
@@ -748,8 +769,12 @@ class Planning:
                 approval_id=plan.approval.approval_id if plan.approval is not None else None,
                 approvers=tuple(plan.approvers),
                 approved_risk=RiskLevel(one["risk"]),
+                approved_version=str(one["tool_version"]),
+                approval_expires_at=(
+                    plan.approval.expires_at if plan.approval is not None else None
+                ),
             ),
-            compensates=(undone.id, by) if undone is not None else None,
+            compensates=(one["compensates"], by) if one.get("compensates") else None,
         )
         return operation, undone
 

@@ -62,6 +62,25 @@ class StepOf:
     approved_risk: RiskLevel
     """The step's risk as the plan's approvers saw it: a riskier call (a value that
     arrived from an earlier step's result) is not theirs to have approved."""
+    approved_version: str
+    """The tool version the plan's approvers saw: a step checked against another
+    contract (the catalog changed since) is not theirs to have approved."""
+    approval_expires_at: datetime | None
+    """Until when the plan's approval holds: a step released later asks for its own,
+    as a single call approved that long ago would not run."""
+
+    def covers(self, decision: Decision, *, preview: bool, now: datetime) -> bool:
+        """Whether the plan's approval stands in for the step's own: there is one, it
+        has not lapsed, and the call as checked now is the one approved (the same
+        contract version, no riskier) and asks for no preview."""
+        return (
+            self.approval_id is not None
+            and (self.approval_expires_at is None or now < self.approval_expires_at)
+            and decision.tool_version == self.approved_version
+            and decision.risk is not None
+            and self.approved_risk.at_least(decision.risk)
+            and not preview
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -598,12 +617,10 @@ class Submissions:
         )
         if decision.approval is None:
             operation.mark_ready(now)
-        elif (
-            step_of is not None
-            and step_of.approval_id is not None
-            and step_of.approved_risk.at_least(decision.risk)
-            and not contract.approval.preview
+        elif step_of is not None and step_of.covers(
+            decision, preview=contract.approval.preview, now=now
         ):
+            assert step_of.approval_id is not None
             operation.mark_ready_in_plan(
                 approval_id=step_of.approval_id, approvers=list(step_of.approvers), now=now
             )

@@ -233,3 +233,48 @@ def test_the_command_line_retries_and_undoes_a_plan_and_says_who_did(
                          "--reason", "chat is back")
     assert code == 0, err
     assert "Plan h1/q4: running" in out
+
+
+def test_a_failed_undoing_step_is_retried_and_never_undoes_twice(storage: StorageConfig) -> None:
+    """A retry of a compensation plan runs its failed undoing step again as a new
+    operation that names what it undoes; an undoing step whose call another
+    compensation undid already is skipped, never run a second time."""
+    ledger = make_ledger(storage, contracts_dir=FILES_CATALOG_DIR, resolver=None, rules={})
+    try:
+        _partially_succeeded(ledger, "q4")
+        undo = ledger.compensate_plan("h1/q4", by="operator:olga", reason="wrong quarter")
+        assert undo.plan_hash is not None
+        ledger.approve_plan("h1/q4-undo", approver="carol", approver_roles=["files_admin"],
+                            plan_hash=undo.plan_hash)
+        _run(ledger, "h1/q4-folder-c", "remove_folder", None)
+        assert ledger.advance_plan("h1/q4-undo").state == "failed"
+        retried = ledger.retry_plan("h1/q4-undo", by="operator:olga", reason="drive is back")
+        assert [(row.operation_id, row.state) for row in retried.steps] == [
+            ("h1/q4-folder-c-p1", "ready")
+        ]
+        again = ledger.get("h1/q4-folder-c-p1")
+        assert again.compensates == "h1/q4-folder"
+        # The undone call keeps naming its first compensation; nothing else is appended.
+        assert ledger.get("h1/q4-folder").compensated_by == "h1/q4-folder-c"
+        _run(ledger, "h1/q4-folder-c-p1", "remove_folder", {"undone": True})
+        assert ledger.advance_plan("h1/q4-undo").state == "succeeded"
+
+        # Undone as a plan awaiting approval, meanwhile one by one: once approved, the
+        # plan's step is skipped, and the folder is removed once.
+        _partially_succeeded(ledger, "q5")
+        plan = ledger.compensate_plan("h1/q5", by="operator:olga", reason="wrong")
+        assert plan.plan_hash is not None
+        single = ledger.compensate("h1/q5-folder", by="operator:olga", reason="wrong")
+        assert single.operation_id == "h1/q5-folder-c"
+        status = ledger.approve_plan("h1/q5-undo", approver="carol",
+                                     approver_roles=["files_admin"], plan_hash=plan.plan_hash)
+        assert (status.state, status.steps[0].state) == ("failed", "skipped")
+        assert status.steps[0].skipped_because is not None
+        assert "was taken" in status.steps[0].skipped_because
+        assert ledger.get("h1/q5-folder-c").plan is None  # the operator's, not adopted
+        assert ledger.get("h1/q5-folder").compensated_by == "h1/q5-folder-c"
+        ledger.refresh()
+        report = ledger.verify()
+        assert report.ok, [finding.describe() for finding in report.findings]
+    finally:
+        ledger.close()

@@ -11,8 +11,10 @@ same over NATS with real executor processes.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +25,7 @@ from ledger.domain.plan import PlanState
 from ledger.domain.states import OperationState
 from policy.catalog import FILES_CATALOG_DIR
 from schemas import LeaseDecision, PlanProposal, PlanStatus, RuntimeContext, ledger_operation_id
-from tests.ledger.helpers import make_ledger, result
+from tests.ledger.helpers import make_ledger, proposal, result
 
 HOST = "h1"
 ALICE = RuntimeContext(
@@ -364,5 +366,82 @@ def test_an_unapproved_plan_expires_and_none_of_it_runs(storage: StorageConfig) 
             ledger.approve_plan(plan_id, approver="carol", approver_roles=ADMINS,
                                 plan_hash=status.plan_hash)
         assert all(row.state == "waiting" for row in ledger.plan_status("late", host=HOST).steps)
+    finally:
+        ledger.close()
+
+
+def test_a_step_released_after_the_plan_approval_lapsed_asks_for_its_own(
+    storage: StorageConfig,
+) -> None:
+    """The plan's approval holds as long as a single call's would: a step released
+    after it lapsed (its dependency ran late) waits for an approval of its own."""
+    now = [datetime.now(UTC)]
+    ledger = make_ledger(storage, contracts_dir=FILES_CATALOG_DIR, resolver=None, rules={},
+                         clock=lambda: now[0])
+    try:
+        status = ledger.propose_plan(share_plan("slow"), ALICE, HOST)
+        assert status.plan_hash is not None
+        plan_id = ledger.plans.ledger_id(HOST, "slow")
+        ledger.approve_plan(plan_id, approver="carol", approver_roles=ADMINS,
+                            plan_hash=status.plan_hash)
+        ids = step_ids(ledger.plan_status("slow", host=HOST))
+        now[0] += timedelta(hours=2)  # grant_access's approval holds for an hour
+        run(ledger, ids["create-file"])
+        assert states(advance(ledger, "slow"))["grant"] == "awaiting_approval"
+        grant = ledger.get(ids["grant"])
+        assert grant.approval is not None
+        lease = ledger.lease(ids["grant"], executor="exec-1", tool="grant_access")
+        assert lease.decision is not LeaseDecision.EXECUTE
+    finally:
+        ledger.close()
+
+
+def test_a_step_whose_operation_id_was_taken_meanwhile_is_skipped_not_adopted(
+    ledger: Ledger,
+) -> None:
+    """While the plan waits for its approval, the host uses a step's operation ID for a
+    call of its own: the approval still counts, the step is skipped (its operation is
+    not the plan's), and the host's call is left as it is."""
+    status = ledger.propose_plan(share_plan("taken"), ALICE, HOST)
+    assert status.plan_hash is not None
+    mine = proposal("write_file", {"path": "/shared/other.md", "content": "mine"},
+                    operation_id="op-create-file")
+    assert ledger.submit(mine, ALICE, HOST).created
+    status = ledger.approve_plan(ledger.plans.ledger_id(HOST, "taken"), approver="carol",
+                                 approver_roles=ADMINS, plan_hash=status.plan_hash)
+    assert (status.state, states(status)) == (
+        "failed", {"create-file": "skipped", "grant": "skipped", "notify": "skipped"}
+    )
+    rows = {row.step: row for row in status.steps}
+    assert "op-create-file was taken" in (rows["create-file"].skipped_because or "")
+    theirs = ledger.get(ledger_operation_id(HOST, "op-create-file"))
+    assert (theirs.plan, theirs.arguments) == (None, {"path": "/shared/other.md",
+                                                      "content": "mine"})
+
+
+def test_a_step_checked_against_another_contract_version_asks_for_its_own_approval(
+    storage: StorageConfig, tmp_path: Path
+) -> None:
+    """The catalog changed between the plan's approval and a step's release: the step
+    is checked against the new contract, which the plan's approvers never saw."""
+    catalog = tmp_path / "catalog"
+    shutil.copytree(FILES_CATALOG_DIR, catalog)
+    ledger = make_ledger(storage, contracts_dir=catalog, resolver=None, rules={})
+    try:
+        status = ledger.propose_plan(share_plan("versions"), ALICE, HOST)
+        assert status.plan_hash is not None
+        plan_id = ledger.plans.ledger_id(HOST, "versions")
+        ledger.approve_plan(plan_id, approver="carol", approver_roles=ADMINS,
+                            plan_hash=status.plan_hash)
+        ids = step_ids(ledger.plan_status("versions", host=HOST))
+        run(ledger, ids["create-file"])
+    finally:
+        ledger.close()
+    contract = catalog / "grant_access.yaml"
+    contract.write_text(contract.read_text().replace("version: 1.0.0", "version: 2.0.0", 1))
+    ledger = make_ledger(storage, contracts_dir=catalog, resolver=None, rules={})
+    try:
+        assert states(advance(ledger, "versions"))["grant"] == "awaiting_approval"
+        assert ledger.get(ids["grant"]).tool_version == "2.0.0"
     finally:
         ledger.close()
