@@ -171,10 +171,13 @@ def _failed(error: ErrorInfo, operation_id: str | None = None) -> bytes:
 
 
 def relay_ports(
-    ledger: Ledger, observe: Callable[[Sequence[StoredRow]], object] | None = None
+    ledger: Ledger,
+    observe: Callable[[Sequence[StoredRow]], object] | None = None,
+    taken_over: Callable[[], object] | None = None,
 ) -> RelayPorts:
     """The relay's ports on a real ledger: the composition root's one look inside it
-    (`observe`: who else reads each batch of events, the plan follower)."""
+    (`observe`: who else reads each batch of events, the plan follower; `taken_over`:
+    what it does when this instance starts relaying)."""
     catalog = ledger.checker.catalog
 
     def sensitive_arguments(tool: str) -> tuple[str, ...]:
@@ -199,6 +202,7 @@ def relay_ports(
         last_position=ledger.event_reader.last_position,
         prefetch=ledger.status_reader.prefetch,
         observe=observe,
+        taken_over=taken_over,
     )
 
 
@@ -208,13 +212,14 @@ def build_relay(
     *,
     relay: Callable[..., Relay] = Relay,
     observe: Callable[[Sequence[StoredRow]], object] | None = None,
+    taken_over: Callable[[], object] | None = None,
     **options: Any,
 ) -> Relay:
     """A relay over `gateway`'s ledger, publishing on `nc` (`options`: `Relay`'s keywords;
-    `relay`: the class, or a factory taking `Relay`'s arguments; `observe`: see
-    `relay_ports`)."""
+    `relay`: the class, or a factory taking `Relay`'s arguments; `observe`, `taken_over`:
+    see `relay_ports`)."""
     ledger = gateway.ledger
-    ports = relay_ports(ledger, observe)
+    ports = relay_ports(ledger, observe, taken_over)
     return relay(gateway, nc, ports, RelayPositions(ledger.db), **options)
 
 
@@ -624,11 +629,13 @@ class LedgerService:
         if self.options.metrics_port is not None:
             metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.metrics = metrics
+        # The follower learns the open plans when this instance starts relaying (now,
+        # or when it takes over from another), then from every event the relay reads.
         self.relay = build_relay(
             self.gateway, nc, metrics=metrics, instance=self.options.instance,
             observe=self._plans.observe,
+            taken_over=lambda: self._plans.know(self.ledger.plans.open_ids()),
         )
-        self._plans.know(await self.gateway.call(self.ledger.plans.open_ids))
         self.relay.start()
         if self.options.redispatch_after is not None:
             catalog = self.ledger.checker.catalog

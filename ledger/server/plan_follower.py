@@ -41,7 +41,8 @@ class PlanFollower:
         """Set when a plan was marked; the service then advances the marked plans."""
 
     def know(self, plan_ids: Iterable[str]) -> None:
-        """Plans found open in the store (at start, or when this instance takes the relay)."""
+        """Plans found open in the store (when this instance takes the relay: at its
+        start, or from another instance)."""
         self.running.update(plan_ids)
         self._mark(plan_ids)
 

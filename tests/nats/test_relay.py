@@ -54,8 +54,11 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
     gateway = LedgerGateway(ledger)
     async with nats_env.connect(Role.LEDGER, "ledger") as probe:
         js = probe.nc.jetstream()
-        first = cast(RecordingRelay, build_relay(gateway, probe.nc, relay=RecordingRelay))
-        second = cast(RecordingRelay, build_relay(gateway, probe.nc, relay=RecordingRelay))
+        takeovers: list[str] = []
+        first = cast(RecordingRelay, build_relay(gateway, probe.nc, relay=RecordingRelay,
+                                                 taken_over=lambda: takeovers.append("1")))
+        second = cast(RecordingRelay, build_relay(gateway, probe.nc, relay=RecordingRelay,
+                                                  taken_over=lambda: takeovers.append("2")))
         feed, work = await _stored(js, FEED_STREAM), await _stored(js, WORK_STREAM)
 
         ledger.submit(search(ids[0]), ALICE)  # proposed, validated, readied
@@ -71,9 +74,13 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
         await first.pump()
         assert len(first.published) == 8
 
-        # The first stops; the second takes over from the saved position.
+        # The first stops; the second takes over from the saved position (and whoever
+        # follows the events through it hears that it starts relaying: the plan
+        # follower then rereads the open plans it did not see go by).
+        assert takeovers == ["1"]
         await first.stop()
         await second.pump()
+        assert takeovers == ["1", "2"]
         assert second.published == []  # nothing again
         ledger.submit(search(ids[2]), ALICE)
         await second.pump()

@@ -75,6 +75,10 @@ class RelayPorts:
     observe: Callable[[Sequence[StoredRow]], object] | None = None
     """Every batch of events the relay read, before it is published (the plan follower
     learns from it which plans have steps that moved); None: nobody."""
+    taken_over: Callable[[], object] | None = None
+    """Called when this instance takes the relay lease (at its first batch, or from
+    another instance): whoever learns from `observe` missed what the relay read
+    before (the plan follower rereads the open plans); None: nobody."""
 
 
 class Relay:
@@ -204,6 +208,11 @@ class Relay:
                 self._metrics.relay_lag.set(0)  # another instance relays, and reports
             return None
         _log.info("relay: %s now relays, from position %d", self._owner, position)
+        if self._ports.taken_over is not None:
+            try:
+                self._ports.taken_over()
+            except Exception:  # a follower's catch-up never costs the relay its turn
+                _log.exception("relay: catching up after the takeover failed")
         self._position = self._confirmed = self._saved_position = position
         self._set_aside_positions = self._positions.set_aside_after(position)
         self._publisher.forget_sequence()  # another relay may have written since
