@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import orjson
 from eventsourcing.application import AggregateNotFoundError
 from eventsourcing.persistence import IntegrityError
 
@@ -43,6 +44,7 @@ from ledger.domain.plan import (
     plan_ledger_id,
 )
 from ledger.domain.states import TERMINAL_STATES, OperationState
+from ledger.retention import KEPT_REJECTED_BYTES, kept_arguments
 from ledger.service._compensation import compensation_arguments, compensation_id
 from ledger.service._runner import CommandRunner
 from ledger.service._status import StatusReader
@@ -247,9 +249,17 @@ class Planning:
         if existing is not None:
             return existing
         now = self._clock()
+        try:
+            issues, steps, decisions, requirement = self._check(proposal, context, host)
+        finally:
+            if self._budget is not None:
+                self._budget.clear_pending()
+        body = proposal.model_dump(mode="json")
         plan = Plan.propose(
             plan_id,
-            plan=proposal.model_dump(mode="json"),
+            # Of a refused plan, only what is small is kept: a host cannot fill the
+            # ledger with plans that never run (as with a refused single call).
+            plan=_kept_rejected(body) if issues else body,
             fingerprint=print_,
             host=host,
             actor=context.principal,
@@ -260,17 +270,17 @@ class Planning:
             proposed_by=undoes.by if undoes else None,
             compensates=undoes.plan_id if undoes else None,
         )
-        try:
-            issues, steps, decisions, requirement = self._check(proposal, context, host)
-        finally:
-            if self._budget is not None:
-                self._budget.clear_pending()
         released: list[Operation] = []
         if undoes is not None:
             for one in steps:
                 one["compensates"] = undoes.steps[one["step"]]
         if issues:
-            plan.reject(issues=[issue.model_dump(mode="json") for issue in issues], now=now)
+            kept = [issue.model_dump(mode="json") for issue in issues[:_MAX_FINDINGS]]
+            if len(issues) > _MAX_FINDINGS:
+                kept.append({"code": "more_issues", "message": f"{len(issues) - _MAX_FINDINGS}"
+                             " more findings are not listed: repair these first",
+                             "path": "", "details": {"step": ""}})
+            plan.reject(issues=kept, now=now)
         else:
             risk = riskiest([RiskLevel(one["risk"]) for one in steps])
             plan.validate(plan_hash=plan_hash(steps), risk=risk.value, steps=steps, now=now)
@@ -823,6 +833,22 @@ class Planning:
             return self._runner.get(operation_id).plan
         except LedgerError:
             return None
+
+
+_MAX_FINDINGS = 50
+"""The most findings a refused plan records (as a refused call's check lists at most 50)."""
+
+
+def _kept_rejected(body: dict[str, Any]) -> dict[str, Any]:
+    """What is stored of a refused plan: all of it when small, else its shape with each
+    step's arguments replaced by what was left out (`ledger.retention`)."""
+    if len(orjson.dumps(body)) <= KEPT_REJECTED_BYTES:
+        return body
+    steps = []
+    for step in body.get("steps", []):
+        _, omitted = kept_arguments(step.get("arguments"), limit=0)
+        steps.append({**step, "arguments": None, "arguments_omitted": omitted})
+    return {**body, "steps": steps}
 
 
 def _shown(plan: Plan) -> str:

@@ -445,3 +445,29 @@ def test_a_step_checked_against_another_contract_version_asks_for_its_own_approv
         assert ledger.get(ids["grant"]).tool_version == "2.0.0"
     finally:
         ledger.close()
+
+
+def test_a_refused_plan_keeps_only_what_is_small(ledger: Ledger) -> None:
+    """A host cannot fill the ledger with plans that never run: of a refused plan only
+    its shape is kept once it is large (as a refused call keeps at most 16 KiB)."""
+    big = "x" * 60_000
+    steps = [step(f"w{i}", "write_file", {"path": f"/r/f{i}.md", "content": big},
+                  f"w{(i + 1) % 4}") for i in range(4)]  # a cycle: refused
+    status = ledger.propose_plan(plan("huge", *steps), ALICE, HOST)
+    assert status.state == "rejected"
+    assert [i["code"] for i in status.issues] == ["plan_cycle"]
+    (proposed,) = [e for e in ledger.history(ledger.plans.ledger_id(HOST, "huge"))
+                   if type(e).__name__ == "PlanProposed"]
+    stored = proposed.plan
+    assert all(one["arguments"] is None for one in stored["steps"])
+    assert {one["arguments_omitted"]["reason"] for one in stored["steps"]} == {"too_large"}
+    assert len(str(stored)) < 16 * 1024
+    # The same refused plan again is recognised (its fingerprint is of all of it).
+    assert ledger.propose_plan(plan("huge", *steps), ALICE, HOST).state == "rejected"
+    # A small refused plan is kept whole, for whoever repairs it.
+    small = ledger.propose_plan(plan("small", step("a", "create_folder", {"path": "/a"}, "a")),
+                                ALICE, HOST)
+    assert small.state == "rejected"
+    (kept,) = [e for e in ledger.history(ledger.plans.ledger_id(HOST, "small"))
+               if type(e).__name__ == "PlanProposed"]
+    assert kept.plan["steps"][0]["arguments"] == {"path": "/a"}
