@@ -12,7 +12,8 @@ Public surface:
   `Reconciliation` and their verdict enums.
 - Running one: `ExecutorRunner` (NATS) with its `RunnerOptions`, `ItemProcessor`
   (the NATS-free core) with its `ProcessorOptions`,
-  `run_executor_main` (`python -m executors run MODULE:TOOL ...`), and for the
+  `run_executor_main` (`python -m executors run MODULE:TOOL ...`), `serve_until_stopped`
+  (run a runner until SIGTERM/SIGINT), and for the
   `opledger executor run` command `add_run_arguments` and `run_executor`.
 - `redact` / `RedactionPolicy`: the output scrubbing, usable on its own.
 - `load_secrets`: an executor's secrets from a file and `OPLEDGER_SECRET_*`.
@@ -43,6 +44,7 @@ from executors._main import (
     load_tool,
     run_executor,
     run_executor_main,
+    serve_until_stopped,
 )
 from executors._metrics import ExecutorMetrics
 from executors._process import (
@@ -107,5 +109,6 @@ __all__ = [
     "result_msg_id",
     "run_executor",
     "run_executor_main",
+    "serve_until_stopped",
     "tool",
 ]

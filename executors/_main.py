@@ -44,6 +44,7 @@ __all__ = [
     "load_tool",
     "run_executor",
     "run_executor_main",
+    "serve_until_stopped",
 ]
 
 EXIT_OK = 0
@@ -170,7 +171,9 @@ def _default_name(tool_name: str) -> str:
     return f"{tool_name}-{socket.gethostname()}-{os.getpid()}"[:128]
 
 
-async def _serve(runner: ExecutorRunner) -> None:
+async def serve_until_stopped(runner: ExecutorRunner) -> None:
+    """Run `runner`; the first SIGTERM/SIGINT finishes the current item, a second abandons
+    it (it is redelivered, and the ledger decides)."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     signals = 0
@@ -246,5 +249,5 @@ def run_executor(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     _quiet_gc()
-    asyncio.run(_serve(runner))
+    asyncio.run(serve_until_stopped(runner))
     return EXIT_OK

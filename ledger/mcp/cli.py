@@ -17,16 +17,12 @@ import logging
 import os
 import secrets
 import shlex
-import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ledger.config import ConfigError, Settings
 from ledger.mcp._errors import McpConfigError
-
-if TYPE_CHECKING:
-    from executors import ExecutorRunner
 
 __all__ = ["add_executor_mcp", "add_import_mcp", "add_mcp_command"]
 
@@ -275,6 +271,7 @@ def _executor(args: argparse.Namespace, settings: Settings) -> int:
         build_connect_options,
         load_contract,
         load_secrets,
+        serve_until_stopped,
     )
     from ledger.mcp.executor import mcp_tool
     from schemas import OpledgerError
@@ -307,33 +304,8 @@ def _executor(args: argparse.Namespace, settings: Settings) -> int:
     except (OpledgerError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    asyncio.run(run_executor_until_stopped(runner))
+    asyncio.run(serve_until_stopped(runner))
     return 0
-
-
-async def run_executor_until_stopped(runner: ExecutorRunner) -> None:
-    """Run `runner`; the first SIGTERM/SIGINT finishes the current item, a second abandons it."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            runner.stop()
-        elif task is not None:
-            task.cancel()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        await runner.run()
-    except asyncio.CancelledError:
-        pass  # abandoned: the item is redelivered and the ledger decides
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
 
 
 # -------------------------------------------------------------- tools import-mcp
