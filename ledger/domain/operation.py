@@ -43,6 +43,7 @@ from schemas import (
     PreviewReport,
     ResultOutcome,
     RiskLevel,
+    RuntimeContext,
 )
 
 __all__ = ["ALLOWED", "Operation", "Refusal", "same_person"]
@@ -1133,6 +1134,18 @@ class Operation(BaseAggregate[str]):
         if self.preview_requested and preview_hash != self.preview_hash:
             return Refusal("preview_hash_mismatch")
         return None
+
+    @property
+    def caller_context(self) -> RuntimeContext:
+        """The trusted runtime context it was proposed under, for a call made on the
+        caller's behalf later (a retry, a compensation): no capabilities when they were
+        not recorded (an old operation)."""
+        return RuntimeContext(
+            principal=self.actor,
+            tenant=self.tenant,
+            capabilities=frozenset(self.capabilities or ()),
+            environment=self.environment,
+        )
 
     @property
     def preview_unapprovable(self) -> Refusal | None:

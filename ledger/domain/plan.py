@@ -33,6 +33,7 @@ from ledger.domain.errors import IllegalTransition, InvalidArgument
 from ledger.domain.events import ChainedEvent, LedgerCreatedEvent, start_chain
 from ledger.domain.hashing import GENESIS_HASH
 from ledger.domain.values import Approval, ApprovalGiven
+from schemas import RuntimeContext
 
 __all__ = [
     "PLAN_FEED_TOKEN",
@@ -656,6 +657,16 @@ class Plan(BaseAggregate[str]):
     def approvers(self) -> list[str]:
         """Who approved it, in order."""
         return [one.approver for one in self.approvals_given]
+
+    @property
+    def caller_context(self) -> RuntimeContext:
+        """The trusted runtime context it was proposed under (its steps run under it)."""
+        return RuntimeContext(
+            principal=self.actor,
+            tenant=self.tenant,
+            capabilities=frozenset(self.capabilities),
+            environment=self.environment,
+        )
 
     def is_requester(self, name: str) -> bool:
         """Whether `name` is the person the plan was proposed for."""

@@ -23,7 +23,7 @@ from ledger.service._runner import CommandRunner
 from ledger.service._status import StatusReader
 from ledger.service._submission import Submission, Submissions
 from policy import MISSING, ProposalChecker, resolve_pointer
-from schemas import RuntimeContext, ToolProposal, host_operation_id, ledger_operation_id
+from schemas import ToolProposal, host_operation_id, ledger_operation_id
 
 __all__ = ["Compensations", "compensation_arguments", "compensation_id"]
 
@@ -97,8 +97,7 @@ class Compensations:
                 f"{original.tool}'s contract names no compensation: its effect is not undone"
                 " by a tool (a person must act)"
             )
-        status = self._status.status(original.id)
-        result = status.result.data if status.result is not None else None
+        result = self._status.result_data(original.id)
         arguments = compensation_arguments(
             contract.compensation.arguments, original.arguments or {}, result
         )
@@ -111,12 +110,7 @@ class Compensations:
             arguments=arguments,
             operation_id=local,
         )
-        context = RuntimeContext(
-            principal=original.actor,
-            tenant=original.tenant,
-            capabilities=frozenset(original.capabilities or ()),
-            environment=original.environment,
-        )
+        context = original.caller_context
         operation, decision = self._submissions.compensation(
             compensating, proposal, context, original.host, compensates=original.id, by=by
         )

@@ -559,8 +559,7 @@ class Planning:
             if name not in undoable:
                 continue
             operation, compensation = undoable[name]
-            kept = self._status.status(operation.id).result
-            result = kept.data if kept is not None else None
+            result = self._status.result_data(operation.id)
             dependents = [
                 names[other["step"]] for other in plan.steps
                 if name in other["depends_on"] and other["step"] in undoable
@@ -581,12 +580,7 @@ class Planning:
             "requested_by_user_id": body["requested_by_user_id"],
             "steps": steps,
         })
-        context = RuntimeContext(
-            principal=plan.actor,
-            tenant=plan.tenant,
-            capabilities=frozenset(plan.capabilities),
-            environment=plan.environment,
-        )
+        context = plan.caller_context
         undoes = _Undoing(plan.id, by, {names[name]: op.id for name, (op, _) in undoable.items()})
         proposed = self.propose(proposal, context, plan.host, undoes=undoes)
         return proposed.model_copy(
@@ -729,12 +723,7 @@ class Planning:
         another plan's step: a step never adopts an operation it did not create), or
         what it undoes was undone by another compensation already."""
         arguments = self._resolved(one["arguments"], steps)
-        context = RuntimeContext(
-            principal=plan.actor,
-            tenant=plan.tenant,
-            capabilities=frozenset(plan.capabilities),
-            environment=plan.environment,
-        )
+        context = plan.caller_context
         local = host_operation_id(one["operation_id"])
         operation_id = one["operation_id"]
         if plan.retries and self._runner.tables.stored_ids([operation_id]):
@@ -794,8 +783,7 @@ class Planning:
         if isinstance(arguments, dict) and set(arguments) == {REFERENCE_KEY}:
             named = arguments[REFERENCE_KEY]
             source = steps[named["step"]]
-            status = self._status.status(source.id)
-            data = status.result.data if status.result is not None else None
+            data = self._status.result_data(source.id)
             value = resolve_pointer(data, named["pointer"])
             return None if value is MISSING else value
         if isinstance(arguments, dict):

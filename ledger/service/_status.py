@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from ledger.adapters.results import ResultStore
 from ledger.audit.model import served_result
@@ -43,6 +43,12 @@ class StatusReader:
                 references.append(str(reference))
         texts = self._store.get_texts(references)
         self._read_ahead = {reference: texts.get(reference) for reference in references}
+
+    def result_data(self, operation_id: str) -> Any:
+        """The data of the operation's kept result (None: no result, or no data), read
+        as `status` reads it: only the envelope its event bound."""
+        result = self.status(operation_id).result
+        return result.data if result is not None else None
 
     def status(
         self, operation_id: str, *, known_version: int | None = None, host: str | None = None

@@ -317,12 +317,7 @@ class Submissions:
         stored = dict(original.proposal)
         stored.update(operation_id=host_operation_id(retry_id), repairs=None, repair_attempt=0)
         proposal = ToolProposal.model_validate(stored)
-        context = RuntimeContext(
-            principal=original.actor,
-            tenant=original.tenant,
-            capabilities=frozenset(original.capabilities),
-            environment=original.environment,
-        )
+        context = original.caller_context
         original.note_retry(retry_id=retry_id, by=by, reason=reason, via=via, now=self._clock())
         if self._runner.tables.stored_ids([retry_id]):
             raise OperationConflict(
