@@ -325,7 +325,13 @@ class _Page:
     async def deny(self, request: Request) -> Response:
         return await self._decide(request, "deny")
 
-    async def _decide(self, request: Request, decision: str) -> Response:
+    async def _decision(
+        self, request: Request, decision: str, subject: str
+    ) -> tuple[Approver, dict[str, str]] | Response:
+        """Who decides and the form they posted, or the answer instead: the login form,
+        a form that did not come from this page for this session, or no approver role
+        (someone the identity provider knows but this deployment made no approver:
+        refused, logged, and nothing appended to anyone's ledger)."""
         session = await self._session(request)
         if session is None:
             return self._login_redirect(request)
@@ -334,12 +340,17 @@ class _Page:
         if fields is None:
             return await self._forbidden(request, approver)
         if not approver.roles:
-            # Someone the identity provider knows but this deployment made no
-            # approver: refused, logged, and nothing appended to anyone's ledger.
-            _log.info("%s of %s by %s refused: no approver role", decision,
-                      request.path_params["operation_id"], approver.name)
+            _log.info("%s of %s by %s refused: no approver role", decision, subject,
+                      approver.name)
             return await self._forbidden(request, approver, "You hold no approver role here.")
+        return approver, fields
+
+    async def _decide(self, request: Request, decision: str) -> Response:
         operation_id = request.path_params["operation_id"]
+        posted = await self._decision(request, decision, operation_id)
+        if isinstance(posted, Response):
+            return posted
+        approver, fields = posted
         shown_preview = fields.get("preview_hash") or None
         if decision == "approve" and (
             not _PROPOSAL_HASH.match(fields.get("proposal_hash", ""))
@@ -440,16 +451,11 @@ class _Page:
         return await self._decide_plan(request, "deny")
 
     async def _decide_plan(self, request: Request, decision: str) -> Response:
-        session = await self._session(request)
-        if session is None:
-            return self._login_redirect(request)
-        token, approver = session
-        fields = await self._form(request, token)
-        if fields is None:
-            return await self._forbidden(request, approver)
-        if not approver.roles:
-            return await self._forbidden(request, approver, "You hold no approver role here.")
         plan_id = request.path_params["plan_id"]
+        posted = await self._decision(request, decision, f"plan {plan_id}")
+        if isinstance(posted, Response):
+            return posted
+        approver, fields = posted
         if decision == "approve" and not _PROPOSAL_HASH.match(fields.get("plan_hash", "")):
             return await self._render(
                 request, "message.html", 400, approver=approver, title="Not a plan hash",
