@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from ledger import Ledger, StorageConfig
@@ -471,3 +472,27 @@ def test_a_refused_plan_keeps_only_what_is_small(ledger: Ledger) -> None:
     (kept,) = [e for e in ledger.history(ledger.plans.ledger_id(HOST, "small"))
                if type(e).__name__ == "PlanProposed"]
     assert kept.plan["steps"][0]["arguments"] == {"path": "/a"}
+
+
+def test_an_edited_plan_event_is_caught_by_verify(ledger: Ledger) -> None:
+    """A plan's events are sealed and chained like an operation's: rewriting the
+    approved plan in the store (another person to share with) is found."""
+    status = ledger.propose_plan(share_plan("sealed"), ALICE, HOST)
+    assert status.plan_hash is not None
+    plan_id = ledger.plans.ledger_id(HOST, "sealed")
+    ledger.refresh()
+    assert ledger.verify().ok
+    rows = ledger.db.query(
+        f"SELECT state FROM {ledger.events_table}"
+        " WHERE originator_id = ? AND originator_version = 2", (plan_id,),
+    )
+    state = orjson.loads(bytes(rows[0][0]))
+    assert "steps" in state  # PlanValidated: the steps as approved
+    state["steps"][1]["arguments"]["person"] = "mallory"
+    ledger.db.execute(
+        f"UPDATE {ledger.events_table} SET state = ?"
+        " WHERE originator_id = ? AND originator_version = 2",
+        (orjson.dumps(state), plan_id),
+    )
+    findings = {(f.kind.value, f.operation_id, f.version) for f in ledger.verify().findings}
+    assert ("modified", plan_id, 2) in findings, findings
