@@ -13,6 +13,7 @@ from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict
 
+from ledger.adapters.postgres_recorder import RECORDER_TOPIC
 from ledger.domain.errors import InvalidArgument
 
 __all__ = ["READ_ONLY_OPTIONS", "StorageConfig"]
@@ -118,6 +119,8 @@ class StorageConfig:
             "POSTGRES_POOL_SIZE": "4",
             "POSTGRES_MAX_OVERFLOW": "4",
             "POSTGRES_LOCK_TIMEOUT": "10",
+            # Events go in as plain arrays (`ledger.adapters.postgres_recorder`).
+            "APPLICATION_RECORDER_TOPIC": RECORDER_TOPIC,
         }
         if self.postgres_schema:
             env["POSTGRES_SCHEMA"] = self.postgres_schema
