@@ -217,7 +217,9 @@ class Submissions:
             if self._budget is not None:
                 self._budget.clear_pending()
 
-    def _submit_many(self, items: Sequence[SubmitItem]) -> list[Submission | LedgerError]:
+    def _submit_many(
+        self, items: Sequence[SubmitItem], *, look_up: bool = False
+    ) -> list[Submission | LedgerError]:
         answers: list[Submission | LedgerError | None] = [None] * len(items)
         keyed: list[tuple[int, str, ToolProposal, RuntimeContext, str, str | None]] = []
         for index, item in enumerate(items):
@@ -230,9 +232,18 @@ class Submissions:
                 )
                 continue
             keyed.append((index, operation_id, proposal, context, host, trace_parent))
-        # One query for the batch instead of one lookup per proposal; an ID
-        # stored by another writer after it is caught by the append below.
-        stored = self._runner.tables.stored_ids(operation_id for _, operation_id, *_ in keyed)
+        ids = [operation_id for _, operation_id, *_ in keyed]
+        if look_up:
+            # One query for the batch instead of one lookup per proposal; an ID
+            # stored by another writer after it is caught by the append below.
+            stored = self._runner.tables.stored_ids(ids)
+        else:
+            # First without asking the database: a new proposal's ID is new, and an ID
+            # already stored makes the append below fail as a whole (its first event's
+            # version is taken), after which the batch is settled with the lookup.
+            # The query per batch was a tenth of the service's PostgreSQL waits; a
+            # proposal sent again soon (a host's retry) is still known here, cached.
+            stored = {operation_id for operation_id in ids if self._runner.cached(operation_id)}
         new: list[tuple[int, Operation, Decision]] = []
         fresh: dict[str, tuple[int, str]] = {}
         # Rejected operations a proposal of this batch repairs: saved in the same append.
@@ -283,9 +294,12 @@ class Submissions:
                     *(target for target in repaired.values() if target.pending_events),
                 )
             except IntegrityError:
-                # Another writer created one of these IDs meanwhile: settle one by one.
                 if self._budget is not None:
                     self._budget.clear_pending()
+                if not look_up:
+                    # An ID of the batch was stored already: again, asking which.
+                    return self._submit_many(items, look_up=True)
+                # Another writer created one of these IDs meanwhile: settle one by one.
                 return [
                     answer
                     if isinstance(answer, LedgerError)
@@ -410,7 +424,7 @@ class Submissions:
                 return error
             if existing is not None:
                 return existing
-        return self._submit_many([item])[0]
+        return self._submit_many([item], look_up=True)[0]
 
     def _repair_link(
         self,
