@@ -96,6 +96,28 @@ def _switch_interval(value: str) -> None:
     sys.setswitchinterval(float(value or 0.0005))
 
 
+def _threads(value: str) -> None:
+    """Service: whether the view and seal are refreshed on a thread of their own,
+    whatever the storage (`view:on` or `view:off`).
+
+    For comparison: `ServiceOptions.view_thread` is on for PostgreSQL and off for
+    SQLite by default.
+    """
+    from dataclasses import replace
+
+    from ledger.server import app
+
+    chosen = dict(part.split(":", 1) for part in value.split("+") if part)
+    fields = {"view": "view_thread"}
+    changes: dict[str, Any] = {fields[name]: setting == "on" for name, setting in chosen.items()}
+    original = app.LedgerService.__init__
+
+    def init(self: app.LedgerService, ledger: Any, options: app.ServiceOptions) -> None:
+        original(self, ledger, replace(options, **changes))
+
+    app.LedgerService.__init__ = init  # type: ignore[method-assign]
+
+
 def _gc_pauses(_value: str) -> None:
     """Any process: log how long the cyclic garbage collector paused it (for diagnosis).
 
@@ -320,6 +342,7 @@ PATCHES: dict[str, Callable[[str], None]] = {
     "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
     "switch-interval": _switch_interval,
+    "threads": _threads,
     "sqlite-normal": _sqlite_normal,
     "cpu-split": _cpu_split,
     "pg-statements": _pg_statements,

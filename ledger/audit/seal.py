@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -320,6 +321,15 @@ class Sealer:
         # one arrive), or when the operator says so: the database alone can
         # not tell a ledger never sealed from one whose seal was erased.
         self._may_start = seal_existing or not recorder.select_notifications(start=0, limit=1)
+
+    def on(self, db: SqlDatabase) -> Sealer:
+        """The same sealer (key, previous keys, whether it may start, pace) writing over
+        another connection: for a thread of its own. Two such sealers take turns
+        through the seal's position row, and each continues from the other's heads
+        (they are signed with the same key)."""
+        twin = copy.copy(self)
+        twin._db = db
+        return twin
 
     def seal(
         self, known: tuple[int, Sequence[Notification]] = (0, ()), *, now: bool = False

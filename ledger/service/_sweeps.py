@@ -28,9 +28,12 @@ class Sweeps:
         self._clock = clock
         self._refresh = refresh
 
-    def expire_approvals(self) -> list[str]:
-        """Expire every approval request whose time has passed."""
-        self._refresh()
+    def expire_approvals(self, *, refresh: bool = True) -> list[str]:
+        """Expire every approval request whose time has passed (`refresh`: bring the
+        view up to date first; a service whose view thread keeps it close says no,
+        and what the view does not show yet is expired by the next sweep)."""
+        if refresh:
+            self._refresh()
         now = self._clock()
         expired = []
         for row in self._view.rows(state=OperationState.AWAITING_APPROVAL.value):
@@ -39,9 +42,11 @@ class Sweeps:
                 expired.append(row.operation_id)
         return expired
 
-    def expire_leases(self) -> list[str]:
-        """Move every operation whose lease ran out to `outcome_unknown`."""
-        self._refresh()
+    def expire_leases(self, *, refresh: bool = True) -> list[str]:
+        """Move every operation whose lease ran out to `outcome_unknown` (`refresh`: as
+        for `expire_approvals`)."""
+        if refresh:
+            self._refresh()
         now = self._clock()
         expired = []
         # The view names the candidates, so that a sweep loads only operations

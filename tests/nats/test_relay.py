@@ -96,6 +96,39 @@ async def test_one_relay_at_a_time_and_the_next_continues_where_the_last_stopped
     ledger.close()
 
 
+async def test_with_a_view_thread_the_relay_asks_for_refreshes_and_never_waits_for_one(
+    nats_env: NatsEnv, storage: StorageConfig
+) -> None:
+    """The relay only asks the view thread (`refresh_soon`) while it knows every route;
+    an event of an operation it never saw proposed (it took over after the proposal)
+    still gets its route from the view, refreshed inline, before it is published."""
+    ledger: Ledger = make_ledger(storage)
+    op = f"op-soon-{'pg' if storage.is_postgres else 'lite'}"
+    gateway = LedgerGateway(ledger)
+    asked: list[str] = []
+    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        first = cast(RecordingRelay, build_relay(
+            gateway, probe.nc, relay=RecordingRelay, refresh_soon=lambda: asked.append("1")
+        ))
+        ledger.submit(search(op), ALICE)
+        await first.pump()
+        assert asked == ["1"] and len(first.published) == 4
+        assert ledger.projector.position() == 0  # the relay did not refresh it itself
+        await first.stop()
+
+        ledger.lease(op, executor="e-1")
+        second = cast(RecordingRelay, build_relay(
+            gateway, probe.nc, relay=RecordingRelay, refresh_soon=lambda: asked.append("2")
+        ))
+        await second.pump()
+        # The lease's event, of an operation this relay never saw proposed: published,
+        # with the route the view gave once refreshed inline.
+        assert second.published == [feed_message_id(op, 4)]
+        assert ledger.projector.position() == ledger.event_reader.last_position()
+        assert asked == ["1"]
+    ledger.close()
+
+
 class LosingRelay(RecordingRelay):
     """Its first publish of one feed event goes where no stream stores it."""
 

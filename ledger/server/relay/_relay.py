@@ -75,6 +75,10 @@ class RelayPorts:
     observe: Callable[[Sequence[StoredRow]], object] | None = None
     """Every batch of events the relay read, before it is published (the plan follower
     learns from it which plans have steps that moved); None: nobody."""
+    refresh_soon: Callable[[], object] | None = None
+    """Ask for `refresh` to run elsewhere without waiting for it (a thread of its own,
+    `ledger.server.view_refresher`); the relay then refreshes inline only when it needs
+    a route the view must know. None: every refresh inline."""
     taken_over: Callable[[], object] | None = None
     """Called when this instance takes the relay lease (at its first batch, or from
     another instance): whoever learns from `observe` missed what the relay read
@@ -262,7 +266,10 @@ class Relay:
             # blocks the loop, so it is done often enough to stay short. And
             # operations proposed before this relay's position (a restart, a
             # takeover) are known to the view once it has caught up.
-            ports.refresh()
+            if missing or ports.refresh_soon is None:
+                ports.refresh()
+            else:
+                ports.refresh_soon()  # nothing here waits for the view: not on the loop
             self._refreshed_at = now
             if self._metrics is not None and ports.last_position is not None:
                 # What is left once this batch is out (positions may have gaps).
