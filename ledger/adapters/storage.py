@@ -13,7 +13,7 @@ from pathlib import Path
 
 from psycopg.conninfo import conninfo_to_dict
 
-from ledger.adapters.postgres_recorder import RECORDER_TOPIC
+from ledger.adapters.recorders import POSTGRES_RECORDER_TOPIC, SQLITE_RECORDER_TOPIC
 from ledger.domain.errors import InvalidArgument
 
 __all__ = ["READ_ONLY_OPTIONS", "StorageConfig"]
@@ -106,6 +106,8 @@ class StorageConfig:
                 "PERSISTENCE_MODULE": "eventsourcing.sqlite",
                 "SQLITE_DBNAME": str(self.sqlite_path),
                 "SQLITE_LOCK_TIMEOUT": "10",
+                # Kept results in the events' transaction (`ledger.adapters.recorders`).
+                "APPLICATION_RECORDER_TOPIC": SQLITE_RECORDER_TOPIC,
             }
             return env
         params = conninfo_to_dict(self.postgres_dsn or "")
@@ -119,8 +121,9 @@ class StorageConfig:
             "POSTGRES_POOL_SIZE": "4",
             "POSTGRES_MAX_OVERFLOW": "4",
             "POSTGRES_LOCK_TIMEOUT": "10",
-            # Events go in as plain arrays (`ledger.adapters.postgres_recorder`).
-            "APPLICATION_RECORDER_TOPIC": RECORDER_TOPIC,
+            # Events go in as plain arrays, with the kept results in their
+            # transaction (`ledger.adapters.recorders`).
+            "APPLICATION_RECORDER_TOPIC": POSTGRES_RECORDER_TOPIC,
         }
         if self.postgres_schema:
             env["POSTGRES_SCHEMA"] = self.postgres_schema

@@ -95,7 +95,7 @@ class Ledger:
             self.runner, checker, self.submissions, self.status_reader, clock=clock, budget=budget
         )
         self.leasing = Leasing(self.runner, self.contracts, clock=clock, lease_grace=lease_grace)
-        self.recording = ResultRecording(self.runner, self.contracts, self.results, clock=clock)
+        self.recording = ResultRecording(self.runner, self.contracts, clock=clock)
         self.compensations = Compensations(
             self.runner, checker, self.submissions, self.status_reader, clock=clock
         )

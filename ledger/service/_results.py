@@ -17,10 +17,6 @@ from schemas import ResultEnvelope, ResultOutcome, canonical_json, sha256_hex
 
 __all__ = ["ResultRecording"]
 
-_Kept = list[tuple[str, str, str]]
-"""Envelopes to keep: (reference, operation ID, exact text)."""
-
-
 class ResultRecording:
     """Records results (retrying a retryable failure when the policy allows)."""
 
@@ -28,48 +24,32 @@ class ResultRecording:
         self,
         runner: CommandRunner,
         contracts: PinnedContracts,
-        store: ResultStore,
         *,
         clock: Callable[[], datetime],
     ) -> None:
         self._runner = runner
         self._contracts = contracts
-        self._store = store
         self._clock = clock
 
     def record_result(self, envelope: ResultEnvelope) -> ResultDisposition:
         """Record one executor's result."""
-        kept: _Kept = []
-        disposition = self._runner.update(
-            envelope.operation_id, partial(self._apply, envelope=envelope, kept=kept)
-        )
-        last = kept[-1:]  # the command's last run is the one saved
-        self._runner.after_save(lambda: self._store.put_texts(last))
-        return disposition
+        return self._runner.update(envelope.operation_id, partial(self._apply, envelope=envelope))
 
     def record_results(
         self, envelopes: Sequence[ResultEnvelope]
     ) -> list[ResultDisposition | LedgerError]:
         """Record many results with one append (for batching services)."""
-        kept: _Kept = []
-        answers = self._runner.batch(
+        return self._runner.batch(
             [
-                (envelope.operation_id, partial(self._apply, envelope=envelope, kept=kept))
+                (envelope.operation_id, partial(self._apply, envelope=envelope))
                 for envelope in envelopes
             ]
         )
-        # After the events: a kept envelope without its event would be harmless,
-        # an event pointing at no envelope would not. A command that ran twice
-        # (a lost race) kept twice: its last run is the one saved.
-        texts = list({item[0]: item for item in kept}.values())
-        self._runner.after_save(lambda: self._store.put_texts(texts))
-        return answers
 
-    def _apply(
-        self, operation: Operation, envelope: ResultEnvelope, kept: _Kept
-    ) -> ResultDisposition:
-        """Record one result on a loaded operation (no save); `kept` gets its envelope
-        as (reference, operation ID, exact text), when an event binds that text.
+    def _apply(self, operation: Operation, envelope: ResultEnvelope) -> ResultDisposition:
+        """Record one result on a loaded operation (no save); its envelope's exact text is
+        kept with the operation's events (`CommandRunner.keep_with_events`) when an
+        event binds that text: both are stored in one transaction, or neither.
 
         A result whose provenance names another tool is REFUSED: the results
         consumer accepts a tool's results only on that tool's subject, which
@@ -141,7 +121,7 @@ class ResultRecording:
                 getattr(event, "result_ref", "") == reference
                 for event in operation.pending_events[pending:]
             ):
-                kept.append((reference, operation.id, text))
+                self._runner.keep_with_events(operation.id, reference, text)
             if operation.can_retry:
                 delay = contract.retry.backoff_ms(operation.attempt) if contract else 0
                 # The tool's own word counts too: a provider's Retry-After, a rate limit.

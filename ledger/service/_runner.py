@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ from eventsourcing.persistence import IntegrityError
 from ledger._recent import Recent
 from ledger.adapters.event_tables import EventTableReader
 from ledger.adapters.eventstore import EventStoreApp
+from ledger.adapters.recorders import KeptResultRow
 from ledger.domain.errors import LedgerError, OperationConflict, OperationNotFound
 from ledger.domain.operation import Operation
 from ledger.domain.plan import Plan
@@ -96,9 +98,12 @@ class CommandRunner:
         self._cache: Recent[str, Operation] = Recent(cache_size, max_weight=cache_bytes)
         self._cache_lock = threading.Lock()
         # Inside `one_append`: the operations saved so far (their events not yet
-        # appended), and what is to happen once they are.
+        # appended).
         self._held: dict[str, Operation] | None = None
-        self._after: list[Callable[[], object]] = []
+        # Kept result texts commands asked to store with their operation's events
+        # (`keep_with_events`): operation ID → reference → row.
+        self._kept: dict[str, dict[str, KeptResultRow]] = {}
+        self._conflicted_at = float("-inf")
 
     # ------------------------------------------------------------------ loading
 
@@ -166,9 +171,17 @@ class CommandRunner:
                     raise OneAppendAbandoned(f"two copies of {operation.id} changed")
             return
         events = [event for operation in operations for event in operation.collect_events()]
+        kept = [
+            row for operation in operations for row in self._kept.pop(operation.id, {}).values()
+        ]
         try:
-            self.events.events.put(events)
-        except BaseException:
+            if kept:
+                self.events.events.put(events, results=kept)
+            else:
+                self.events.events.put(events)
+        except BaseException as exc:
+            if isinstance(exc, IntegrityError):
+                self._conflicted_at = time.monotonic()
             self.forget(*(operation.id for operation in operations))
             raise
         with self._cache_lock:
@@ -176,8 +189,22 @@ class CommandRunner:
                 if isinstance(operation, Operation):
                     self._cache.remember(operation.id, operation, operation.history_bytes)
 
+    def conflicted_recently(self, within_s: float = 10.0) -> bool:
+        """Whether an append lost to a stored version within the last `within_s` seconds
+        (a race with another writer, or a proposal under an ID stored long ago)."""
+        return time.monotonic() - self._conflicted_at < within_s
+
+    def keep_with_events(self, operation_id: str, reference: str, text: str) -> None:
+        """Store this kept result text in the same transaction as the operation's next
+        saved events (the ones a command just triggered that bind it by hash): both
+        are stored, or neither (`ledger.adapters.recorders`). A command run again
+        (a lost race) keeps again; a copy forgotten keeps nothing."""
+        self._kept.setdefault(operation_id, {})[reference] = (reference, operation_id, text)
+
     def forget(self, *operation_ids: str) -> None:
-        """Drop cached copies (after a failed command or append)."""
+        """Drop cached copies (after a failed command or append), and what they kept."""
+        for operation_id in operation_ids:
+            self._kept.pop(operation_id, None)
         if self._held is not None and any(oid in self._held for oid in operation_ids):
             # A command failed on an operation an earlier step of the block changed:
             # its copy may hold half of that command's events. Nothing is kept.
@@ -185,14 +212,6 @@ class CommandRunner:
         with self._cache_lock:
             for operation_id in operation_ids:
                 self._cache.pop(operation_id, None)
-
-    def after_save(self, action: Callable[[], object]) -> None:
-        """Run `action` once what was saved is stored: now, or inside `one_append` once
-        the block's append succeeded (what must never exist without its events)."""
-        if self._held is None:
-            action()
-        else:
-            self._after.append(action)
 
     @contextmanager
     def one_append(self) -> Iterator[None]:
@@ -208,18 +227,16 @@ class CommandRunner:
         """
         if self._held is not None:
             raise RuntimeError("one_append blocks do not nest")
-        self._held, self._after = {}, []
+        self._held = {}
         try:
             yield
-            held, after = list(self._held.values()), self._after
-            self._held, self._after = None, []
+            held = list(self._held.values())
+            self._held = None
             if held:
                 self.save(*held)
-            for action in after:
-                action()
         except BaseException:
             abandoned = list(self._held or ())
-            self._held, self._after = None, []
+            self._held = None
             self.forget(*abandoned)
             raise
 

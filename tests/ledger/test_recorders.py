@@ -1,9 +1,11 @@
-"""The PostgreSQL recorder's array insert stores exactly what the library's would.
+"""The recorders: kept result texts in the events' transaction (both backends), and the
+PostgreSQL recorder's array insert, which stores exactly what the library's would.
 
-Both recorders write the same events, awkward ones included (bytes that are not
-UTF-8, NUL and quote characters in IDs and topics, an empty state), each into its
-own schema; the rows read back straight from SQL are identical, and a duplicate
-(ID, version) is the library's `IntegrityError` with nothing of its batch stored.
+Both recorders write the same events, awkward ones included (states with NUL and
+bytes that are not UTF-8, quotes and backslashes in IDs and topics, an empty
+state), each into its own schema; the rows read back straight from SQL are
+identical, and a duplicate (ID, version) is the library's `IntegrityError` with
+nothing of its batch stored.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from typing import cast
 
 import psycopg
 import pytest
-from eventsourcing.persistence import IntegrityError, StoredEvent
+from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEvent
 from eventsourcing.postgres import PostgresApplicationRecorder
 
 from ledger import StorageConfig
 from ledger.adapters.eventstore import EventStoreApp
-from ledger.adapters.postgres_recorder import ArrayInsertRecorder
+from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.adapters.sql import SqlDatabase
 from tests.conftest import drop_schema, postgres_storage_or_skip
+from tests.ledger.helpers import ALICE, SEAL_KEY, event_types, make_ledger, result, search
+
+KEPT = {"items": [], "truncated": False, "next_cursor": "n1"}
 
 _EVENTS = [
     StoredEvent("host/op-1", 1, "ledger.domain.operation:Operation.Proposed", b'{"a": 1}'),
@@ -110,3 +115,50 @@ def test_a_duplicate_version_is_an_integrity_error_and_stores_nothing_of_its_bat
     # And the recorder goes on working after the refused batch (the refused one
     # used up sequence numbers, as the library's does: positions may have gaps).
     assert len(app.recorder.insert_events([fresh]) or []) == 1
+
+
+# ------------------------------------------------- kept results with the events
+
+
+def test_a_result_and_its_kept_text_are_stored_together_or_not_at_all(
+    storage: StorageConfig,
+) -> None:
+    """The text a settling event binds goes in the events' own transaction: with the
+    results table gone (the write of the text fails), the settling event is not stored
+    either, so no event ever names a text that was never kept; once the table is back,
+    the same result is recorded with its text, and verify finds nothing."""
+    ledger = make_ledger(storage)
+    ledger.submit(search("op-1"), ALICE)
+    grant = ledger.lease("op-1", executor="exec-1")
+    before = event_types(ledger, "op-1")
+    ledger.db.execute("ALTER TABLE opledger_results RENAME TO opledger_results_away")
+    with pytest.raises(PersistenceError):  # the library's wrapping of the database error
+        ledger.record_result(result("op-1", grant.fencing_token, data=KEPT))
+    ledger.db.execute("ALTER TABLE opledger_results_away RENAME TO opledger_results")
+    assert event_types(ledger, "op-1") == before  # nothing of the failed transaction
+    assert ledger.db.query("SELECT COUNT(*) FROM opledger_results")[0][0] == 0
+
+    ledger.record_result(result("op-1", grant.fencing_token, data=KEPT))
+    assert event_types(ledger, "op-1")[-1] == "Succeeded"
+    status = ledger.status("op-1")
+    assert status.result is not None and status.result.data == KEPT
+    ledger.refresh()
+    report = ledger.audit.verify(trusted_keys=[SEAL_KEY.public_key])
+    assert report.ok, report.findings
+
+
+def test_a_batch_of_results_keeps_one_text_per_settled_attempt(storage: StorageConfig) -> None:
+    """Results recorded together (the service's batch), one of them twice: each settled
+    attempt's text is kept once, in the same append as the events that bind it."""
+    ledger = make_ledger(storage)
+    grants = {}
+    for n in (1, 2, 3):
+        ledger.submit(search(f"op-{n}"), ALICE)
+        grants[n] = ledger.lease(f"op-{n}", executor="exec-1").fencing_token
+    envelopes = [result(f"op-{n}", grants[n], data=KEPT) for n in (1, 2, 3)]
+    ledger.recording.record_results([*envelopes, envelopes[1]])
+    rows = ledger.db.query("SELECT result_ref FROM opledger_results ORDER BY result_ref")
+    assert [str(row[0]) for row in rows] == [f"result:op-{n}:1" for n in (1, 2, 3)]
+    for n in (1, 2, 3):
+        status = ledger.status(f"op-{n}")
+        assert status.result is not None and status.result.data == KEPT
