@@ -323,10 +323,11 @@ class Sealer:
         self._may_start = seal_existing or not recorder.select_notifications(start=0, limit=1)
 
     def on(self, db: SqlDatabase) -> Sealer:
-        """The same sealer (key, previous keys, whether it may start, pace) writing over
-        another connection: for a thread of its own. Two such sealers take turns
-        through the seal's position row, and each continues from the other's heads
-        (they are signed with the same key)."""
+        """This sealer (key, previous keys, pace, and its memory of what it signed),
+        writing over another connection from now on, for a thread of its own. The
+        original must seal no more (`ReadModels.moved_to` sees to it): two copies
+        would each remember only part of what was signed, and that memory is what
+        refuses a seal cut back or erased (`head`)."""
         twin = copy.copy(self)
         twin._db = db
         return twin

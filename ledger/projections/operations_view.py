@@ -154,6 +154,11 @@ class OperationsProjector:
             if column not in present:
                 db.execute(f"ALTER TABLE opledger_operations ADD COLUMN{exists} {column} TEXT")
 
+    @property
+    def recorder(self) -> ApplicationRecorder:
+        """The event log this view follows."""
+        return self._recorder
+
     def position(self) -> int:
         """The last notification ID the view includes."""
         rows = self._db.query("SELECT position FROM opledger_positions WHERE name = ?", (_NAME,))
@@ -163,9 +168,11 @@ class OperationsProjector:
         """Project every notification not yet in the view; returns how many (`progress`
         is told the count after each batch).
 
-        `projected` then holds the position the view started from and the
-        notifications it took in, in order, for the sealer to reuse when it
-        starts from the same position (one read of the log, not two).
+        `projected` then holds a position of the view and every notification
+        after it, in order, that this call took in, for the sealer to reuse when
+        it starts from that position (one read of the log, not two). Each batch
+        reads the position under the lock: if another writer moved the view
+        since, `projected` starts again from there.
         """
         total = 0
         self.projected = (self.position(), [])
@@ -219,6 +226,13 @@ class OperationsProjector:
             notifications = self._recorder.select_notifications(
                 start=position, limit=self._batch_size, inclusive_of_start=False
             )
+            start, taken = self.projected
+            if position != (taken[-1].id if taken else start):
+                # Another writer of the view (another instance, or this service's view
+                # thread) projected since the last batch, or since `catch_up` read its
+                # start unlocked: what this one took in no longer follows on, so the
+                # sealer must not take it as "every event after `start`".
+                self.projected = (position, [])
             if not notifications:
                 return 0
             self.projected[1].extend(notifications)

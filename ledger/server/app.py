@@ -609,7 +609,7 @@ class LedgerService:
                 # quarter second behind only expires the newest a sweep later; with the
                 # view thread keeping it close, the sweeps no longer refresh it on the
                 # loop (two refreshes every sweep, 20 ms each on PostgreSQL).
-                refresh = self.view_refresher is None
+                refresh = self.view_refresher is None or not self.view_refresher.healthy
                 await self._gateway.call(partial(self.ledger.expire_approvals, refresh=refresh))
                 await self._gateway.call(partial(self.ledger.expire_leases, refresh=refresh))
                 if self.view_refresher is not None:
@@ -701,7 +701,8 @@ class LedgerService:
         if self.gateway is not None:
             await self.gateway.stop()
         if self.view_refresher is not None:
-            # Off the loop: it may be finishing a refresh (the seal below follows it).
+            # Off the loop: it finishes its refresh, then seals the tail (it holds the
+            # sealer; the ledger's own `seal_now` below then only catches the view up).
             await asyncio.to_thread(self.view_refresher.stop)
         # The seal runs at most every quarter second: seal the tail before going.
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ledger.adapters.sql import SqlDatabase
 from ledger.audit.seal import Sealer, SealRefused
 from ledger.projections.operations_view import OperationsProjector
 
@@ -24,8 +25,9 @@ class ReadModels:
         self._seal_refused_logged = float("-inf")
 
     def refresh(self) -> int:
-        """Bring the read models up to date with the event log, and seal it if this
-        ledger holds the seal key; returns how many events the view took in."""
+        """Bring the read models up to date with the event log, and seal it if these
+        read models hold the sealer (a ledger with the seal key, unless it moved them
+        to a thread: `moved_to`); returns how many events the view took in."""
         projected = self._view.catch_up()
         if self._sealer is None:
             return projected
@@ -42,6 +44,18 @@ class ReadModels:
                 self._seal_refused_logged = now
                 _log.error("not sealing: %s", refused.message)
         return projected
+
+    def moved_to(self, db: SqlDatabase) -> ReadModels:
+        """These read models over another connection (for a thread of their own), taking
+        the sealer with them: from now on this object brings the view up to date but
+        never seals. One sealer at a time: its memory of what it signed is what lets it
+        refuse a seal someone cut back or erased (`Sealer.head`), and two copies would
+        each remember only part of it."""
+        sealer, self._sealer = self._sealer, None
+        return ReadModels(
+            OperationsProjector(db, self._view.recorder, create=False),
+            sealer.on(db) if sealer is not None else None,
+        )
 
     def seal_now(self) -> int:
         """Bring the view up to date and seal everything now (a service that stops)."""

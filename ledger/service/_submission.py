@@ -233,6 +233,10 @@ class Submissions:
                 continue
             keyed.append((index, operation_id, proposal, context, host, trace_parent))
         ids = [operation_id for _, operation_id, *_ in keyed]
+        # Right after an append lost to a stored ID (this batch's, or any race), ask
+        # again for a while: a host resending old IDs must not make every turn run
+        # twice (and the other lanes of the service's turn with it).
+        look_up = look_up or self._runner.conflicted_recently()
         if look_up:
             # One query for the batch instead of one lookup per proposal; an ID
             # stored by another writer after it is caught by the append below.
@@ -248,6 +252,8 @@ class Submissions:
         fresh: dict[str, tuple[int, str]] = {}
         # Rejected operations a proposal of this batch repairs: saved in the same append.
         repaired: dict[str, Operation] = {}
+        # Refused without asking whether the ID was stored (see below).
+        refused_unasked: list[tuple[int, str, ToolProposal, RuntimeContext, str]] = []
         for index, operation_id, proposal, context, host, trace_parent in keyed:
             try:
                 print_ = fingerprint(proposal, context, host)
@@ -268,6 +274,8 @@ class Submissions:
                 )
             except LedgerError as error:
                 answers[index] = error
+                if operation_id not in stored and not look_up:
+                    refused_unasked.append((index, operation_id, proposal, context, host))
                 continue
             except Exception as exc:
                 # A value the check let through and the event encoder cannot
@@ -280,6 +288,8 @@ class Submissions:
                     str(exc)[:200],
                 )
                 answers[index] = InvalidProposal("the proposal cannot be stored")
+                if operation_id not in stored and not look_up:
+                    refused_unasked.append((index, operation_id, proposal, context, host))
                 continue
             fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
@@ -287,6 +297,19 @@ class Submissions:
                 self._budget.note_pending(
                     tenant=context.tenant, actor=context.principal, tool=decision.tool
                 )
+        if refused_unasked:
+            # A refusal is the answer for a new ID only: under a stored one, the answer
+            # is what the lookup would have given (the operation, or a conflict).
+            found = self._runner.tables.stored_ids(op for _, op, *_ in refused_unasked)
+            for index, operation_id, proposal, context, host in refused_unasked:
+                if operation_id in found:
+                    try:
+                        existing = self._existing(operation_id, proposal, context, host)
+                    except LedgerError as error:
+                        answers[index] = error
+                    else:
+                        if existing is not None:
+                            answers[index] = existing
         if new:
             try:
                 self._runner.save(

@@ -10,6 +10,9 @@ the new proposals of the same batch are stored exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ledger import StorageConfig
 from ledger.domain.errors import LedgerError, OperationConflict
 from ledger.service import Submission
@@ -58,3 +61,54 @@ def test_the_same_call_again_while_cached_appends_nothing(storage: StorageConfig
     assert len(ledger.history(first.operation_id)) == before
     refused = ledger.submissions.submit_many([(email("op-1"), ALICE, "host-a")])[0]
     assert isinstance(refused, LedgerError) and isinstance(refused, OperationConflict)
+
+
+class _Counting:
+    """Counts the calls of a real method it stands in front of (nothing is faked)."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = method
+        self.calls = 0
+        self.failures = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        try:
+            return self._method(*args, **kwargs)
+        except Exception:
+            self.failures += 1
+            raise
+
+
+def test_new_proposals_are_stored_without_asking_which_ids_exist(storage: StorageConfig) -> None:
+    ledger = make_ledger(storage)
+    lookups = _Counting(ledger.runner.tables.stored_ids)
+    ledger.runner.tables.stored_ids = lookups  # type: ignore[method-assign]
+    answers = ledger.submissions.submit_many(
+        [(search(f"op-{n}"), ALICE, "host-a") for n in range(5)]
+    )
+    assert all(isinstance(answer, Submission) and answer.created for answer in answers)
+    assert lookups.calls == 0
+
+
+def test_after_an_old_id_the_next_batches_ask_first_instead_of_failing_again(
+    storage: StorageConfig,
+) -> None:
+    """A host resending old IDs costs one failed append, not one per batch: for a while
+    after it, batches look the IDs up first, as before the fast path."""
+    earlier = make_ledger(storage)
+    for n in range(3):
+        earlier.submit(search(f"op-old-{n}"), ALICE, "host-a")
+    earlier.close()
+    ledger = make_ledger(storage)
+    appends = _Counting(ledger.runner.events.events.put)
+    ledger.runner.events.events.put = appends  # type: ignore[method-assign]
+    for n in range(3):
+        answers = ledger.submissions.submit_many(
+            [(search(f"op-new-{n}"), ALICE, "host-a"), (search(f"op-old-{n}"), ALICE, "host-a")]
+        )
+        fresh, again = answers
+        assert isinstance(fresh, Submission) and fresh.created
+        assert isinstance(again, Submission) and not again.created
+    assert appends.failures == 1  # the first batch only
+    assert appends.calls == 4  # its failed try, then one append per batch

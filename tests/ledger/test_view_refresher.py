@@ -6,6 +6,7 @@ appends neither skips nor repeats an event, nor breaks the signed chain."""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -62,9 +63,10 @@ def test_the_thread_brings_view_and_seal_up_to_date_with_the_service_key(
 def test_thread_and_inline_refreshes_interleaved_with_appends_keep_one_chain(
     storage: StorageConfig,
 ) -> None:
-    """Both sealers sign with the same key and take turns through the seal's row: the
-    chain and the view are whole, whichever wrote which batch."""
-    ledger = make_ledger(storage)
+    """The loop refreshes the view inline (as the relay and budget counts do) while the
+    thread refreshes and seals: the view equals a rebuild, and the thread alone sealed
+    every event into one chain, before anything sealed at stop."""
+    ledger = make_ledger(storage, seal_every=timedelta(0))
     refresher = ViewRefresher(ledger)
     refresher.start()
     try:
@@ -72,24 +74,91 @@ def test_thread_and_inline_refreshes_interleaved_with_appends_keep_one_chain(
             ledger.submit(search(f"op-{n}"), ALICE)
             refresher.refresh_soon()
             if n % 3 == 0:
-                ledger.refresh()  # inline, as the sweeps do, while the thread may run
+                ledger.refresh()  # inline, while the thread may run
+        done = refresher.refreshes
         refresher.refresh_soon()
-        _wait_for(refresher, 2)
+        _wait_for(refresher, done + 1)
+        last = ledger.event_reader.last_position()
+        assert _head_position(ledger) == last  # the thread's seal, not stop's
+        report = ledger.audit.verify(trusted_keys=[SEAL_KEY.public_key])
+        assert report.ok, report.findings
+        assert report.events_checked == last
     finally:
         refresher.stop()
-    ledger.seal_now()
-    assert refresher.refreshes >= 2
-    last = ledger.event_reader.last_position()
     assert ledger.projector.position() == last
-    assert _head_position(ledger) == last
     # Search is rate-limited per caller: some were refused, and the view says so.
     assert sum(_view_counts(ledger).values()) == 40
     written = _view(ledger)
     ledger.projector.rebuild()  # the view again from the events alone: the same rows
     assert _view(ledger) == written
+
+
+def test_a_view_moved_on_by_another_writer_mid_catch_up_is_not_sealed_over(
+    storage: StorageConfig,
+) -> None:
+    """The thread's catch-up reads its start, the loop's catch-up moves the view on, the
+    thread then takes in what follows: what it hands the sealer must start where the
+    view stood under the lock, or the sealer would chain the new events straight onto
+    its old head and leave the ones between out of the seal (named as inserted)."""
+    ledger = make_ledger(storage, seal_every=timedelta(0))
+    ledger.submit(search("op-a"), ALICE)
+    refresher = ViewRefresher(ledger)  # not started: its read models are driven here
+    models = refresher._models
+    models.refresh()  # view and seal at P0
+    for n in range(3):
+        ledger.submit(search(f"op-b{n}"), ALICE)
+    view = models._view
+    start = view.position()
+    view.projected = (start, [])  # what catch_up does first, unlocked
+    ledger.projector.catch_up()  # the loop's catch-up commits the view past op-b*
+    for n in range(2):
+        ledger.submit(search(f"op-c{n}"), ALICE)  # (its budget check catches up too)
+    moved = ledger.projector.position()
+    assert moved > start
+    assert ledger.event_reader.last_position() > moved  # something left for the thread
+    while view._project_batch():  # the thread's batches, after the loop's commits
+        pass
+    assert view.projected[0] == moved  # not `start`: the loop took the events between in
+    assert models._sealer is not None
+    models._sealer.seal(view.projected, now=True)
     report = ledger.audit.verify(trusted_keys=[SEAL_KEY.public_key])
     assert report.ok, report.findings
-    assert report.events_checked == last
+    refresher.stop()
+
+
+def test_only_the_thread_seals_and_it_refuses_a_seal_that_was_erased(
+    storage: StorageConfig,
+) -> None:
+    """The ledger hands its sealer to the thread: the loop never seals again, so one
+    sealer remembers what it signed. Someone with write access deletes an operation and
+    the whole seal: the service's last seal at stop refuses to sign the rewritten
+    history, and verify says it is unsealed."""
+    ledger = make_ledger(storage, seal_every=timedelta(0))
+    refresher = ViewRefresher(ledger)
+    refresher.start()
+    for n in range(4):
+        ledger.submit(search(f"op-{n}"), ALICE)
+        done = refresher.refreshes
+        refresher.refresh_soon()
+        _wait_for(refresher, done + 1)
+    assert _head_position(ledger) == ledger.event_reader.last_position()
+    signatures = len(ledger.db.query("SELECT * FROM opledger_seal_signatures"))
+    ledger.refresh()  # the loop's own refresh: the view only
+    ledger.submit(search("op-4"), ALICE)
+    ledger.refresh()
+    assert len(ledger.db.query("SELECT * FROM opledger_seal_signatures")) == signatures
+    # The attack: op-2 and the seal erased.
+    ledger.db.execute(f"DELETE FROM {ledger.events_table} WHERE originator_id = 'op-2'")
+    ledger.db.execute("DELETE FROM opledger_operations WHERE operation_id = 'op-2'")
+    ledger.db.execute("DELETE FROM opledger_seal_signatures")
+    ledger.db.execute("DELETE FROM opledger_digest")
+    refresher.stop()  # the service's last seal
+    ledger.seal_now()
+    assert ledger.db.query("SELECT COUNT(*) FROM opledger_seal_signatures")[0][0] == 0
+    report = ledger.audit.verify(
+        trusted_keys=[SEAL_KEY.public_key], seal_grace=timedelta(0)
+    )
+    assert not report.ok and report.signed_head is None
 
 
 def test_a_failed_refresh_does_not_end_the_thread(
