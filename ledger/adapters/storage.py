@@ -124,6 +124,9 @@ class StorageConfig:
             # Events go in as plain arrays, with the kept results in their
             # transaction (`ledger.adapters.recorders`).
             "APPLICATION_RECORDER_TOPIC": POSTGRES_RECORDER_TOPIC,
+            # Its insert path; the library's database function would bypass it (and
+            # the library reads this from the process environment too).
+            "POSTGRES_ENABLE_DB_FUNCTIONS": "n",
         }
         if self.postgres_schema:
             env["POSTGRES_SCHEMA"] = self.postgres_schema

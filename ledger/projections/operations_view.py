@@ -159,6 +159,11 @@ class OperationsProjector:
         """The event log this view follows."""
         return self._recorder
 
+    @property
+    def database(self) -> SqlDatabase:
+        """The connection this view is written over."""
+        return self._db
+
     def position(self) -> int:
         """The last notification ID the view includes."""
         rows = self._db.query("SELECT position FROM opledger_positions WHERE name = ?", (_NAME,))

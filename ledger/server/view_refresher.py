@@ -44,6 +44,7 @@ class ViewRefresher:
     def __init__(self, ledger: Ledger) -> None:
         self._storage = ledger.db.storage
         self._db = SqlDatabase(self._storage)
+        self._home = ledger.read_models  # where the sealer goes back to at stop
         self._models: ReadModels = ledger.read_models.moved_to(self._db)
         self._due = threading.Event()
         self._stopping = False
@@ -69,8 +70,9 @@ class ViewRefresher:
         self._due.set()
 
     def stop(self) -> None:
-        """Finish the refresh under way, seal everything now and close the connection
-        (the service's last seal, made by the one sealer)."""
+        """Finish the refresh under way, seal everything now (the service's last seal,
+        made by the one sealer), give the sealer back to the ledger and close the
+        connection."""
         self._stopping = True
         self._due.set()
         if self._thread is not None:
@@ -86,6 +88,8 @@ class ViewRefresher:
         except Exception as exc:
             log_failure(_log, "could not seal the last events before stopping", exc)
         finally:
+            # Only now: while the thread could still seal, the ledger must not.
+            self._home.take_sealer_from(self._models)
             self._db.close()
 
     def _run(self) -> None:

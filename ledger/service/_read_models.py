@@ -51,11 +51,16 @@ class ReadModels:
         never seals. One sealer at a time: its memory of what it signed is what lets it
         refuse a seal someone cut back or erased (`Sealer.head`), and two copies would
         each remember only part of it."""
-        sealer, self._sealer = self._sealer, None
-        return ReadModels(
-            OperationsProjector(db, self._view.recorder, create=False),
-            sealer.on(db) if sealer is not None else None,
-        )
+        moved = ReadModels(OperationsProjector(db, self._view.recorder, create=False), None)
+        moved.take_sealer_from(self)
+        return moved
+
+    def take_sealer_from(self, other: ReadModels) -> None:
+        """Take `other`'s sealer (it seals no more), writing over this one's connection:
+        how read models moved to a thread give it back when the thread stops."""
+        sealer, other._sealer = other._sealer, None
+        if sealer is not None:
+            self._sealer = sealer.on(self._view.database)
 
     def seal_now(self) -> int:
         """Bring the view up to date and seal everything now (a service that stops)."""

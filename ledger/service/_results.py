@@ -55,9 +55,19 @@ class ResultRecording:
         consumer accepts a tool's results only on that tool's subject, which
         only its executors may publish to, so this is an executor of one tool
         trying to settle another tool's operation (fencing tokens are small
-        counters, easily guessed).
+        counters, easily guessed). So is one with the current lease's token and
+        another attempt's number.
         """
         if envelope.provenance.tool != operation.tool:
+            return ResultDisposition.REFUSED
+        if (
+            envelope.fencing_token == operation.fencing_token
+            and envelope.provenance.attempt != operation.attempt
+        ):
+            # The lease's token with another attempt's number: the text would be kept
+            # under that attempt's reference, where an earlier text may already be
+            # (and the first one kept wins). A lease names its attempt; a result of it
+            # names the same one, or it is not that lease's result.
             return ResultDisposition.REFUSED
         now = self._clock()
         contract = self._contracts.of(operation)  # the pinned one; None if no longer

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -103,7 +102,6 @@ class CommandRunner:
         # Kept result texts commands asked to store with their operation's events
         # (`keep_with_events`): operation ID → reference → row.
         self._kept: dict[str, dict[str, KeptResultRow]] = {}
-        self._conflicted_at = float("-inf")
 
     # ------------------------------------------------------------------ loading
 
@@ -179,20 +177,13 @@ class CommandRunner:
                 self.events.events.put(events, results=kept)
             else:
                 self.events.events.put(events)
-        except BaseException as exc:
-            if isinstance(exc, IntegrityError):
-                self._conflicted_at = time.monotonic()
+        except BaseException:
             self.forget(*(operation.id for operation in operations))
             raise
         with self._cache_lock:
             for operation in operations:
                 if isinstance(operation, Operation):
                     self._cache.remember(operation.id, operation, operation.history_bytes)
-
-    def conflicted_recently(self, within_s: float = 10.0) -> bool:
-        """Whether an append lost to a stored version within the last `within_s` seconds
-        (a race with another writer, or a proposal under an ID stored long ago)."""
-        return time.monotonic() - self._conflicted_at < within_s
 
     def keep_with_events(self, operation_id: str, reference: str, text: str) -> None:
         """Store this kept result text in the same transaction as the operation's next
@@ -305,6 +296,11 @@ class CommandRunner:
                 if cached is not None:
                     recheck.append(index)
                 continue
+            except BaseException:
+                # An outage or a bug: nothing of the batch is saved, so the copies the
+                # commands before it changed (and the texts they kept) are dropped.
+                self.forget(*(op for op, _ in items[: index + 1]))
+                raise
             if operation.pending_events:
                 changed.append(operation)
             elif cached is not None:

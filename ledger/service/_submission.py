@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -202,6 +203,8 @@ class Submissions:
         self._new_id = new_id
         self._budget = budget
         self._kept_rejected_bytes = kept_rejected_bytes
+        # When a batch's append last found an ID of it taken (see `_submit_many`).
+        self._id_taken_at = float("-inf")
 
     def submit_many(self, items: Sequence[SubmitItem]) -> list[Submission | LedgerError]:
         """Record and check many proposals with one atomic append (the fast path).
@@ -233,10 +236,10 @@ class Submissions:
                 continue
             keyed.append((index, operation_id, proposal, context, host, trace_parent))
         ids = [operation_id for _, operation_id, *_ in keyed]
-        # Right after an append lost to a stored ID (this batch's, or any race), ask
-        # again for a while: a host resending old IDs must not make every turn run
-        # twice (and the other lanes of the service's turn with it).
-        look_up = look_up or self._runner.conflicted_recently()
+        # Right after a batch's append found one of its IDs taken, ask first for a
+        # while: a host resending old IDs must not make every turn run twice (and the
+        # other lanes of the service's turn with it).
+        look_up = look_up or time.monotonic() - self._id_taken_at < _LOOK_UP_AFTER_S
         if look_up:
             # One query for the batch instead of one lookup per proposal; an ID
             # stored by another writer after it is caught by the append below.
@@ -319,6 +322,7 @@ class Submissions:
             except IntegrityError:
                 if self._budget is not None:
                     self._budget.clear_pending()
+                self._id_taken_at = time.monotonic()
                 if not look_up:
                     # An ID of the batch was stored already: again, asking which.
                     return self._submit_many(items, look_up=True)
@@ -675,6 +679,8 @@ class Submissions:
 
 
 _NOT_ACCEPTED = frozenset({DecisionOutcome.REJECTED, DecisionOutcome.NEEDS_CLARIFICATION})
+_LOOK_UP_AFTER_S = 10.0
+"""After a batch found an ID of it taken, batches look their IDs up first for this long."""
 """Decisions that never run: only what is storable and small of their arguments is kept."""
 
 _NO_REPAIR: tuple[None, int, None] = (None, 0, None)

@@ -11,17 +11,24 @@ nothing of its batch stored.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import cast
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import psycopg
 import pytest
-from eventsourcing.persistence import IntegrityError, PersistenceError, StoredEvent
+from eventsourcing.persistence import (
+    IntegrityError,
+    OperationalError,
+    PersistenceError,
+    StoredEvent,
+)
 from eventsourcing.postgres import PostgresApplicationRecorder
 
 from ledger import StorageConfig
 from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.adapters.sql import SqlDatabase
+from ledger.domain.states import ResultDisposition
 from tests.conftest import drop_schema, postgres_storage_or_skip
 from tests.ledger.helpers import ALICE, SEAL_KEY, event_types, make_ledger, result, search
 
@@ -147,18 +154,90 @@ def test_a_result_and_its_kept_text_are_stored_together_or_not_at_all(
     assert report.ok, report.findings
 
 
-def test_a_batch_of_results_keeps_one_text_per_settled_attempt(storage: StorageConfig) -> None:
-    """Results recorded together (the service's batch), one of them twice: each settled
-    attempt's text is kept once, in the same append as the events that bind it."""
+def test_a_batch_of_results_keeps_its_texts_in_its_one_append(storage: StorageConfig) -> None:
+    """Results recorded together (the service's batch): one append carries every settling
+    event and every text they bind; the same results again keep nothing more."""
     ledger = make_ledger(storage)
     grants = {}
     for n in (1, 2, 3):
         ledger.submit(search(f"op-{n}"), ALICE)
         grants[n] = ledger.lease(f"op-{n}", executor="exec-1").fencing_token
     envelopes = [result(f"op-{n}", grants[n], data=KEPT) for n in (1, 2, 3)]
-    ledger.recording.record_results([*envelopes, envelopes[1]])
+    appends: list[int] = []
+    put = ledger.runner.events.events.put
+
+    def counted(events: Any, **kwargs: Any) -> Any:
+        appends.append(len(kwargs.get("results", ())))
+        return put(events, **kwargs)
+
+    ledger.runner.events.events.put = counted  # type: ignore[method-assign,assignment]
+    ledger.recording.record_results(envelopes)
+    assert appends == [3]  # one append, three texts in it
+    ledger.recording.record_results(envelopes)  # redelivered: duplicates, nothing kept
     rows = ledger.db.query("SELECT result_ref FROM opledger_results ORDER BY result_ref")
     assert [str(row[0]) for row in rows] == [f"result:op-{n}:1" for n in (1, 2, 3)]
     for n in (1, 2, 3):
         status = ledger.status(f"op-{n}")
         assert status.result is not None and status.result.data == KEPT
+
+
+def test_a_result_naming_another_attempt_under_the_lease_is_refused_and_keeps_nothing(
+    storage: StorageConfig,
+) -> None:
+    """An executor holding attempt 2's lease reports a success as attempt 1, whose failed
+    text is kept: refused, so no event binds a text another one already holds."""
+    now = [datetime.now(UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    ledger.submit(search("op-1"), ALICE)
+    first = ledger.lease("op-1", executor="exec-1")
+    flaky = {"code": "UPSTREAM", "message": "flaky", "category": "TRANSIENT", "retryable": True}
+    ledger.record_result(result("op-1", first.fencing_token, ok=False, error=flaky))
+    now[0] += timedelta(seconds=30)
+    second = ledger.lease("op-1", executor="exec-1")
+    assert second.attempt == 2
+    before = event_types(ledger, "op-1")
+    spoofed = result("op-1", second.fencing_token, attempt=1, data=KEPT)
+    assert ledger.record_result(spoofed) is ResultDisposition.REFUSED
+    assert event_types(ledger, "op-1") == before
+    assert ledger.record_result(result("op-1", second.fencing_token, attempt=2, data=KEPT)) is (
+        ResultDisposition.ACCEPTED
+    )
+    ledger.refresh()
+    report = ledger.audit.verify(trusted_keys=[SEAL_KEY.public_key])
+    assert report.ok, report.findings
+
+
+def test_a_batch_that_fails_midway_keeps_no_text_for_later(
+    storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database fails while a batch of results is read (after an earlier item kept
+    its text): nothing of it is stored, and that text does not ride along with a later,
+    unrelated append of the same operation (verify would name it as bound by nothing)."""
+    now = [datetime.now(UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    grants = {}
+    for n in (1, 2):
+        ledger.submit(search(f"op-{n}"), ALICE)
+        grants[n] = ledger.lease(f"op-{n}", executor="exec-1").fencing_token
+    runner = ledger.runner
+    runner.forget("op-1", "op-2")  # read from the store, as after a restart
+    get = runner.get
+
+    def failing_get(operation_id: str, **kwargs: Any) -> Any:
+        if operation_id == "op-2":
+            raise OperationalError("connection lost")
+        return get(operation_id, **kwargs)
+
+    monkeypatch.setattr(runner, "get", failing_get)
+    with pytest.raises(OperationalError):
+        ledger.recording.record_results(
+            [result(f"op-{n}", grants[n], data=KEPT) for n in (1, 2)]
+        )
+    monkeypatch.setattr(runner, "get", get)
+    now[0] += timedelta(hours=1)  # the lease ran out before the result came again
+    ledger.expire_leases()
+    ledger.lease("op-1", executor="exec-2")  # a later append of op-1
+    assert ledger.db.query("SELECT COUNT(*) FROM opledger_results")[0][0] == 0
+    ledger.refresh()
+    report = ledger.audit.verify(trusted_keys=[SEAL_KEY.public_key])
+    assert report.ok, report.findings

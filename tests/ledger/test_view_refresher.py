@@ -185,3 +185,65 @@ def test_a_failed_refresh_does_not_end_the_thread(
         assert _view_counts(ledger) == {"ready": 1}
     finally:
         refresher.stop()
+
+
+def test_the_sealer_goes_back_to_the_ledger_when_the_thread_stops(
+    storage: StorageConfig,
+) -> None:
+    """A service stopped and started again in one process: the second thread seals,
+    because the first gave the sealer back when it stopped (and sealed the tail)."""
+    ledger = make_ledger(storage, seal_every=timedelta(0))
+    first = ViewRefresher(ledger)
+    first.start()
+    ledger.submit(search("op-1"), ALICE)
+    first.stop()  # seals the tail itself
+    assert _head_position(ledger) == ledger.event_reader.last_position()
+    second = ViewRefresher(ledger)
+    second.start()
+    try:
+        ledger.submit(search("op-2"), ALICE)
+        second.refresh_soon()
+        _wait_for(second, 1)
+        assert _head_position(ledger) == ledger.event_reader.last_position()
+    finally:
+        second.stop()
+    ledger.submit(search("op-3"), ALICE)
+    ledger.refresh()  # no thread now: the ledger seals again itself
+    assert _head_position(ledger) == ledger.event_reader.last_position()
+
+
+def test_a_lost_connection_is_replaced_and_failures_make_it_unhealthy(
+    storage: StorageConfig,
+) -> None:
+    """The thread's connection closed under it: the refresh fails, the next one runs on
+    a new connection. Refreshes failing in a row mark it unhealthy (the service's sweeps
+    then refresh the view themselves) until one succeeds."""
+    ledger = make_ledger(storage, seal_every=timedelta(0))
+    refresher = ViewRefresher(ledger)
+    refresher.start()
+    try:
+        ledger.submit(search("op-1"), ALICE)
+        refresher._db.close()  # the connection is gone
+        refresher.refresh_soon()
+        deadline = time.monotonic() + 10
+        while refresher._failures == 0:
+            assert time.monotonic() < deadline, "the refresh did not fail"
+            time.sleep(0.01)
+        refresher.refresh_soon()
+        _wait_for(refresher, 1)  # on the new connection
+        assert _head_position(ledger) == ledger.event_reader.last_position()
+        ledger.db.execute("ALTER TABLE opledger_operations RENAME TO opledger_operations_away")
+        ledger.lease("op-1", executor="exec-1")  # an event the view cannot take in now
+        for _ in range(3):
+            failures = refresher._failures
+            refresher.refresh_soon()
+            while refresher._failures == failures:
+                assert time.monotonic() < deadline + 20
+                time.sleep(0.01)
+        assert not refresher.healthy
+        ledger.db.execute("ALTER TABLE opledger_operations_away RENAME TO opledger_operations")
+        refresher.refresh_soon()
+        _wait_for(refresher, 2)
+        assert refresher.healthy
+    finally:
+        refresher.stop()
