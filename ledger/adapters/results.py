@@ -49,17 +49,6 @@ class ResultStore:
         """The text an envelope is kept as (hash exactly this string)."""
         return envelope.model_dump_json()
 
-    def put_texts(self, items: Sequence[tuple[str, str, str]]) -> None:
-        """Keep (reference, operation ID, exact envelope text) rows; the first one wins."""
-        if not items:
-            return
-        with self._db.transaction():
-            self._db.executemany(
-                f"INSERT INTO {RESULTS_TABLE} (result_ref, operation_id, envelope)"
-                " VALUES (?, ?, ?) ON CONFLICT (result_ref) DO NOTHING",
-                items,
-            )
-
     def get_text(self, reference: str) -> str | None:
         """The exact text kept under `reference`, if any."""
         return self.get_texts([reference]).get(reference)

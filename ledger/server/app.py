@@ -648,7 +648,9 @@ class LedgerService:
             metrics.serve(self.options.metrics_port, self.options.metrics_addr)
         self.metrics = metrics
         view_thread = self.options.view_thread
-        if view_thread if view_thread is not None else self.ledger.db.is_postgres:
+        if view_thread is None:
+            view_thread = self.ledger.db.is_postgres
+        if view_thread:
             self.view_refresher = ViewRefresher(self.ledger)
             self.view_refresher.start()
         # The follower learns the open plans when this instance starts relaying (now,

@@ -173,10 +173,7 @@ class CommandRunner:
             row for operation in operations for row in self._kept.pop(operation.id, {}).values()
         ]
         try:
-            if kept:
-                self.events.events.put(events, results=kept)
-            else:
-                self.events.events.put(events)
+            self.events.events.put(events, results=kept)
         except BaseException:
             self.forget(*(operation.id for operation in operations))
             raise

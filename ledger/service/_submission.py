@@ -255,8 +255,6 @@ class Submissions:
         fresh: dict[str, tuple[int, str]] = {}
         # Rejected operations a proposal of this batch repairs: saved in the same append.
         repaired: dict[str, Operation] = {}
-        # Refused without asking whether the ID was stored (see below).
-        refused_unasked: list[tuple[int, str, ToolProposal, RuntimeContext, str]] = []
         for index, operation_id, proposal, context, host, trace_parent in keyed:
             try:
                 print_ = fingerprint(proposal, context, host)
@@ -277,8 +275,6 @@ class Submissions:
                 )
             except LedgerError as error:
                 answers[index] = error
-                if operation_id not in stored and not look_up:
-                    refused_unasked.append((index, operation_id, proposal, context, host))
                 continue
             except Exception as exc:
                 # A value the check let through and the event encoder cannot
@@ -291,8 +287,6 @@ class Submissions:
                     str(exc)[:200],
                 )
                 answers[index] = InvalidProposal("the proposal cannot be stored")
-                if operation_id not in stored and not look_up:
-                    refused_unasked.append((index, operation_id, proposal, context, host))
                 continue
             fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
@@ -300,9 +294,16 @@ class Submissions:
                 self._budget.note_pending(
                     tenant=context.tenant, actor=context.principal, tool=decision.tool
                 )
+        # A refusal is the answer for a new ID only: under a stored one, the answer is
+        # what the lookup would have given (the operation, or a conflict).
+        refused_unasked = [
+            (index, operation_id, proposal, context, host)
+            for index, operation_id, proposal, context, host, _ in keyed
+            if not look_up
+            and operation_id not in stored
+            and isinstance(answers[index], LedgerError)
+        ]
         if refused_unasked:
-            # A refusal is the answer for a new ID only: under a stored one, the answer
-            # is what the lookup would have given (the operation, or a conflict).
             found = self._runner.tables.stored_ids(op for _, op, *_ in refused_unasked)
             for index, operation_id, proposal, context, host in refused_unasked:
                 if operation_id in found:
@@ -679,9 +680,10 @@ class Submissions:
 
 
 _NOT_ACCEPTED = frozenset({DecisionOutcome.REJECTED, DecisionOutcome.NEEDS_CLARIFICATION})
+"""Decisions that never run: only what is storable and small of their arguments is kept."""
+
 _LOOK_UP_AFTER_S = 10.0
 """After a batch found an ID of it taken, batches look their IDs up first for this long."""
-"""Decisions that never run: only what is storable and small of their arguments is kept."""
 
 _NO_REPAIR: tuple[None, int, None] = (None, 0, None)
 
