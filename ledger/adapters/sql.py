@@ -19,6 +19,10 @@ from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 
 __all__ = ["SqlDatabase"]
 
+# Rows per multi-row statement (`SqlDatabase.insert_rows`): the view and the seal write
+# a few dozen at a time; a catch-up over a large log writes its batch in a few.
+_ROWS_PER_STATEMENT = 500
+
 
 class SqlDatabase:
     """One connection, used by one thread at a time (a lock makes that so).
@@ -121,6 +125,35 @@ class SqlDatabase:
             else:
                 assert isinstance(self._conn, sqlite3.Connection)
                 self._conn.executemany(statement, rows)
+
+    def insert_rows(self, head: str, rows: Sequence[Sequence[Any]], tail: str = "") -> None:
+        """Run `{head} VALUES (?, ...) {tail}` for every row of `rows` (all of one width).
+
+        On PostgreSQL as few statements as can be, each with many rows in its
+        VALUES list: `executemany` sends a statement per row, and at the view's
+        and the seal's rates (every event a digest row, every operation a view
+        row) its per-row protocol work was the larger part of the view thread's
+        CPU. Two rows with the same key in one upsert are refused by PostgreSQL
+        (`ON CONFLICT DO UPDATE` cannot touch a row twice): callers pass one row
+        per key. SQLite keeps `executemany`, whose loop is already in C.
+        """
+        if not rows:
+            return
+        width = len(rows[0])
+        marks = "(" + ", ".join("?" * width) + ")"
+        if not self.is_postgres:
+            self.executemany(f"{head} VALUES {marks} {tail}", rows)
+            return
+        # PostgreSQL takes at most 65,535 parameters per statement.
+        chunk = max(1, min(_ROWS_PER_STATEMENT, 65_535 // width))
+        with self._lock, self._pg.cursor() as cursor:
+            for start in range(0, len(rows), chunk):
+                part = rows[start : start + chunk]
+                values = ", ".join([marks] * len(part))
+                params = [value for row in part for value in row]
+                # Not prepared: each row count is another statement text, and they
+                # would crowd the connection's few prepared statements out.
+                cursor.execute(self._sql(f"{head} VALUES {values} {tail}"), params, prepare=False)
 
     def query(self, statement: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Rows of one query."""

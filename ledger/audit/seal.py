@@ -423,10 +423,9 @@ class Sealer:
                         digest,
                     )
                 )
-            db.executemany(
+            db.insert_rows(
                 f"INSERT INTO {DIGEST_TABLE}"
-                " (notification_id, operation_id, version, event_hash, running_digest)"
-                " VALUES (?, ?, ?, ?, ?)",
+                " (notification_id, operation_id, version, event_hash, running_digest)",
                 rows,
             )
             signed = self.key.sign(notifications[-1].id, digest, seal_time(self._clock()))

@@ -242,31 +242,22 @@ class OperationsProjector:
                 return 0
             self.projected[1].extend(notifications)
             before, after = self._fold(notifications)
-            inserts = [
+            # New rows and changed ones in one upsert: a changed row is stored (it
+            # was read under this transaction's lock), so the upsert updates it
+            # exactly as an UPDATE of every column would.
+            changed = [
                 tuple(row[column] for column in ROW_COLUMNS)
                 for op, row in after.items()
-                if op not in before
+                if row != before.get(op)
             ]
-            updates = [
-                (*(row[column] for column in ROW_COLUMNS[1:]), op)
-                for op, row in after.items()
-                if op in before and row != before[op]
-            ]
-            if inserts:
-                db.executemany(
-                    f"INSERT INTO opledger_operations ({', '.join(ROW_COLUMNS)})"
-                    f" VALUES ({', '.join('?' * len(ROW_COLUMNS))})"
-                    # A forged second Proposed of a stored operation starts it afresh,
-                    # as the fold says, instead of stopping the projection.
-                    " ON CONFLICT (operation_id) DO UPDATE SET "
-                    + ", ".join(f"{column} = excluded.{column}" for column in ROW_COLUMNS[1:]),
-                    inserts,
-                )
-            if updates:
-                assignments = ", ".join(f"{column} = ?" for column in ROW_COLUMNS[1:])
-                db.executemany(
-                    f"UPDATE opledger_operations SET {assignments} WHERE operation_id = ?", updates
-                )
+            db.insert_rows(
+                f"INSERT INTO opledger_operations ({', '.join(ROW_COLUMNS)})",
+                changed,
+                # A forged second Proposed of a stored operation starts it afresh,
+                # as the fold says, instead of stopping the projection.
+                "ON CONFLICT (operation_id) DO UPDATE SET "
+                + ", ".join(f"{column} = excluded.{column}" for column in ROW_COLUMNS[1:]),
+            )
             db.execute(
                 "UPDATE opledger_positions SET position = ? WHERE name = ?",
                 (notifications[-1].id, _NAME),
