@@ -207,7 +207,12 @@ def _cpu_split(_value: str) -> None:
     import time
 
     from ledger.server import relay
-    from ledger.service import Ledger
+    from ledger.service._leasing import Leasing
+    from ledger.service._read_models import ReadModels
+    from ledger.service._results import ResultRecording
+    from ledger.service._runner import CommandRunner
+    from ledger.service._status import StatusReader
+    from ledger.service._submission import Submissions
 
     totals: dict[str, list[float]] = {}
 
@@ -227,10 +232,15 @@ def _cpu_split(_value: str) -> None:
 
         setattr(owner, name, wrapper)
 
-    for name in ("submit_many", "lease_many", "record_results", "refresh", "status", "_save"):
-        timed(Ledger, name)
-    for name in ("_read_batch", "_messages_for"):
-        timed(relay.Relay, name)
+    # Patched on the classes that define them (the ledger binds their methods when it
+    # is built, after this runs).
+    timed(Submissions, "submit_many")
+    timed(Leasing, "lease_many")
+    timed(ResultRecording, "record_results")
+    timed(ReadModels, "refresh")
+    timed(StatusReader, "status")
+    timed(CommandRunner, "save")
+    timed(relay.Relay, "_read_batch")
     timed(asyncio.base_events.BaseEventLoop, "_run_once")
 
     def report() -> None:
