@@ -10,7 +10,9 @@ nothing of its batch stored.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -122,6 +124,55 @@ def test_a_duplicate_version_is_an_integrity_error_and_stores_nothing_of_its_bat
     # And the recorder goes on working after the refused batch (the refused one
     # used up sequence numbers, as the library's does: positions may have gaps).
     assert len(app.recorder.insert_events([fresh]) or []) == 1
+
+
+def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order(
+    two_stores: tuple[EventStoreApp, PostgresApplicationRecorder, StorageConfig],
+) -> None:
+    # Another writer (another service instance) is inside an append: it called the
+    # append function and has not committed. Our append must wait for it (the
+    # library's EXCLUSIVE lock, now taken inside the function), or a reader tailing
+    # the log could pass over the other writer's lower IDs before they commit.
+    app, _, storage = two_stores
+    ours = app.recorder
+    assert isinstance(ours, ArrayInsertRecorder)
+    dsn, schema = storage.postgres_dsn or "", storage.postgres_schema
+    table = f'"{schema}".opledger_events'
+    with (
+        psycopg.connect(dsn, autocommit=True) as listener,
+        psycopg.connect(dsn, autocommit=True) as watcher,
+        psycopg.connect(dsn) as other,
+    ):
+        listener.execute(f'LISTEN "{ours.channel_name}"')
+        rows = other.execute(
+            ours._append, (["host/other"], [1], ["t"], [b"{}"], [], [], [])
+        ).fetchall()
+        first = rows[0][0]
+        held = watcher.execute(
+            "SELECT mode, granted FROM pg_locks WHERE relation = %s::regclass AND pid = %s",
+            (table, other.info.backend_pid),
+        ).fetchall()
+        assert ("ExclusiveLock", True) in held
+        pool = ThreadPoolExecutor(1)
+        appended = pool.submit(ours.insert_events, [StoredEvent("host/ours", 1, "t", b"{}")])
+        waiting: list[tuple[object, ...]] = []
+        for _ in range(200):  # until our append is seen waiting for the lock (or 10 s)
+            waiting = watcher.execute(
+                "SELECT mode FROM pg_locks WHERE relation = %s::regclass AND NOT granted",
+                (table,),
+            ).fetchall()
+            if waiting:
+                break
+            time.sleep(0.05)
+        assert waiting == [("ExclusiveLock",)]
+        assert not appended.done()
+        other.commit()
+        ids = appended.result(timeout=30)
+        pool.shutdown()
+        assert ids is not None and ids[0] > first
+        # Each append notified the log's readers once it committed.
+        notices = list(listener.notifies(timeout=5, stop_after=2))
+        assert [notice.channel for notice in notices] == [ours.channel_name] * 2
 
 
 # ------------------------------------------------- kept results with the events
