@@ -18,12 +18,14 @@ on its event loop (`bench/e2e_bench.py --profile`, about 50 µs per event);
 arrays of plain types in binary are dumped by psycopg's C layer (25 events of
 450 bytes per transaction, through the library's own `insert_events`: 2.45
 against 1.44 ms per transaction). And the library sends four statements per
-append in a pipeline (lock timeout, lock, NOTIFY, insert); here one database
-function, created with the library's tables, runs those same statements in
-that order, the kept texts' insert among them. At a moderate rate, where an
-append holds a few events, that halved an append's CPU on the event loop and
-cut the median latency at 200 operations/s by a third (the function's
-docstring and issue 15's note give the figures).
+append in a pipeline between BEGIN and COMMIT (lock timeout, lock, NOTIFY,
+insert); here one database function, created with the library's tables and
+named after its own text, runs those same statements in that order, the kept
+texts' insert among them, called in autocommit as a transaction of its own.
+At a moderate rate, where an append holds a few events, that halved an
+append's CPU on the event loop and cut the median latency at 200
+operations/s by a third (the function's docstring and issue 15's note give
+the figures).
 
 The library's own database-function insert (`POSTGRES_ENABLE_DB_FUNCTIONS`)
 would bypass all this (it inserts no texts, and takes no table lock), so
@@ -37,13 +39,24 @@ version) into `IntegrityError`.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
-from eventsourcing.persistence import InterfaceError, OperationalError, StoredEvent
+from eventsourcing.persistence import (
+    InterfaceError,
+    OperationalError,
+    ProgrammingError,
+    StoredEvent,
+)
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteCursor, SQLiteDatastore
 from eventsourcing.utils import retry
+from psycopg import Cursor
+from psycopg.errors import UndefinedFunction
+from psycopg.rows import DictRow
 from psycopg.sql import SQL, Composed, Identifier
 
 __all__ = [
@@ -53,6 +66,8 @@ __all__ = [
     "KeptResultRow",
     "SQLiteResultsRecorder",
 ]
+
+_log = logging.getLogger(__name__)
 
 KeptResultRow = tuple[str, str, str]
 """(result reference, operation ID, exact envelope text): a row of `opledger_results`."""
@@ -77,71 +92,104 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
     ) -> None:
         super().__init__(datastore, events_table_name=events_table_name)
         schema, table = Identifier(datastore.schema), Identifier(events_table_name)
-        function = Identifier(f"opledger_append_{events_table_name}")
         # The library's statements, in its order: lock timeout, the EXCLUSIVE lock
         # that makes commit order the notification order, NOTIFY, then the rows. The
         # kept texts go in under the events table's lock, so two writers never wait
         # on each other's rows.
+        body = SQL(
+            " RETURNS SETOF bigint LANGUAGE plpgsql AS $BODY$"
+            " BEGIN"
+            "  SET LOCAL lock_timeout = '{lock_timeout}s';"
+            "  LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE;"
+            "  NOTIFY {channel};"
+            # Only when there are texts: an event store without a ledger (the ledger
+            # bench) has no results table.
+            "  IF cardinality(refs) > 0 THEN"
+            "   INSERT INTO {schema}.{results} (result_ref, operation_id, envelope)"
+            "    SELECT * FROM unnest(refs, operations, envelopes)"
+            "    ON CONFLICT (result_ref) DO NOTHING;"
+            "  END IF;"
+            "  RETURN QUERY"
+            "   INSERT INTO {schema}.{table} (originator_id, originator_version, topic, state)"
+            "   SELECT * FROM unnest(ids, versions, topics, states)"
+            "   RETURNING notification_id;"
+            " END;"
+            " $BODY$"
+        ).format(
+            schema=schema,
+            table=table,
+            results=Identifier(_RESULTS),
+            lock_timeout=datastore.lock_timeout,
+            channel=Identifier(self.channel_name),
+        )
+        # Named after its own text: instances of two releases (a rolling upgrade)
+        # each call the body they were built with, never one another's, and the
+        # name stays short whatever the table is called (PostgreSQL would cut a
+        # name over 63 characters, and two tables' functions could then be one).
+        digest = hashlib.sha256(body.as_string(None).encode()).hexdigest()[:16]
+        function = Identifier(f"opledger_append_{digest}")
         self.sql_create_statements.append(
             SQL(
                 "CREATE OR REPLACE FUNCTION {schema}.{function}("
                 " ids text[], versions int8[], topics text[], states bytea[],"
                 " refs text[], operations text[], envelopes text[])"
-                " RETURNS SETOF bigint LANGUAGE plpgsql AS $BODY$"
-                " BEGIN"
-                "  SET LOCAL lock_timeout = '{lock_timeout}s';"
-                "  LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE;"
-                "  NOTIFY {channel};"
-                # Only when there are texts: an event store without a ledger (the
-                # ledger bench) has no results table.
-                "  IF cardinality(refs) > 0 THEN"
-                "   INSERT INTO {schema}.{results} (result_ref, operation_id, envelope)"
-                "    SELECT * FROM unnest(refs, operations, envelopes)"
-                "    ON CONFLICT (result_ref) DO NOTHING;"
-                "  END IF;"
-                "  RETURN QUERY"
-                "   INSERT INTO {schema}.{table}"
-                "    (originator_id, originator_version, topic, state)"
-                "   SELECT * FROM unnest(ids, versions, topics, states)"
-                "   RETURNING notification_id;"
-                " END;"
-                " $BODY$"
-            ).format(
-                schema=schema,
-                function=function,
-                table=table,
-                results=Identifier(_RESULTS),
-                lock_timeout=datastore.lock_timeout,
-                channel=Identifier(self.channel_name),
-            )
+            ).format(schema=schema, function=function)
+            + body
         )
         self._append: Composed = SQL(
             "SELECT notification_id FROM {schema}.{function}("
             "%b::text[], %b::int8[], %b::text[], %b::bytea[], %b::text[], %b::text[], %b::text[]"
             ") AS appended(notification_id)"
         ).format(schema=schema, function=function)
+        self._function_missing = False
 
-    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def insert_events(
         self,
         stored_events: Sequence[StoredEvent],
         *,
         results: Sequence[KeptResultRow] = (),
-        **_: Any,
+        **kwargs: Any,
     ) -> Sequence[int] | None:
         """Store the events and the kept texts in one transaction; their notification IDs.
 
-        One statement and its commit: the library sends four (lock timeout, lock,
-        NOTIFY, insert) in a pipeline, and at the few events per append of a
-        moderate rate psycopg's work per statement and the pipeline's own were
-        most of an append's CPU (with three events: 343-379 against 165-171 µs,
-        measured on this repository's benchmark machine). A duplicate (ID,
-        version) is the library's `IntegrityError`, and nothing of the call is
-        stored, as before.
+        One statement, in autocommit, so that it is its own transaction: the
+        library sends four (lock timeout, lock, NOTIFY, insert) in a pipeline
+        between BEGIN and COMMIT, and at the few events per append of a moderate
+        rate psycopg's work per statement and the pipeline's own were most of an
+        append's CPU (three events: 343-379 against 156-171 µs, measured on this
+        repository's benchmark machine). A duplicate (ID, version) is the library's
+        `IntegrityError`, and nothing of the call is stored, as before.
+
+        Where the function was never created (a schema made by an earlier release
+        and served with the library's `CREATE_TABLE` off), the library's own
+        statements do the same work, more slowly, and a warning says so once.
         """
         if not stored_events and not results:
             return []
-        with self.datastore.get_connection() as conn, conn.transaction(), conn.cursor() as curs:
+        if not self._function_missing:
+            try:
+                appended: list[int] = self._append_in_one_statement(stored_events, results)
+                return appended
+            except ProgrammingError as error:
+                if not isinstance(error.__cause__, UndefinedFunction):
+                    raise
+                self._function_missing = True
+                _log.warning(
+                    "the append function is missing from schema %s (tables made elsewhere,"
+                    " CREATE_TABLE off): appending statement by statement, more slowly",
+                    self.datastore.schema,
+                )
+        ids: Sequence[int] | None = super().insert_events(
+            stored_events, results=results, **kwargs
+        )
+        return ids
+
+    # The library's retry, for the same failures (a dropped connection, a lock timeout).
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
+    def _append_in_one_statement(
+        self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow]
+    ) -> list[int]:
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(
                 self._append,
                 (
@@ -155,7 +203,49 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
                 ),
                 prepare=True,
             )
-            return [row["notification_id"] for row in curs.fetchall()]
+            return [int(row["notification_id"]) for row in curs.fetchall()]
+
+    def _insert_stored_events(
+        self,
+        curs: Cursor[DictRow],
+        stored_events: Sequence[StoredEvent],
+        *,
+        results: Sequence[KeptResultRow] = (),
+        **_: Any,
+    ) -> None:
+        # Only without the function (see `insert_events`): the library's order, lock,
+        # notify, insert (its caller syncs the pipeline and reads the RETURNING rows),
+        # with the kept texts under the lock and the events from the same arrays.
+        self._lock_table(curs)
+        self._notify_channel(curs)
+        if results:
+            curs.executemany(self._insert_results, results)
+        curs.execute(
+            self._insert_arrays,
+            (
+                [str(event.originator_id) for event in stored_events],
+                [event.originator_version for event in stored_events],
+                [event.topic for event in stored_events],
+                [bytes(event.state) for event in stored_events],
+            ),
+            prepare=True,
+        )
+
+    @cached_property
+    def _insert_arrays(self) -> Composed:
+        return SQL(
+            "INSERT INTO {schema}.{table} (originator_id, originator_version, topic, state)"
+            " SELECT * FROM unnest(%b::text[], %b::int8[], %b::text[], %b::bytea[])"
+            " RETURNING notification_id"
+        ).format(
+            schema=Identifier(self.datastore.schema), table=Identifier(self.events_table_name)
+        )
+
+    @cached_property
+    def _insert_results(self) -> Composed:
+        return SQL(_INSERT_RESULTS.format(table="{schema}.{table}", marks="%s, %s, %s")).format(
+            schema=Identifier(self.datastore.schema), table=Identifier(_RESULTS)
+        )
 
 
 class SQLiteResultsRecorder(SQLiteApplicationRecorder):

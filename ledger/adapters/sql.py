@@ -135,18 +135,26 @@ class SqlDatabase:
         row) its per-row protocol work was the larger part of the view thread's
         CPU. Two rows with the same key in one upsert are refused by PostgreSQL
         (`ON CONFLICT DO UPDATE` cannot touch a row twice): callers pass one row
-        per key. SQLite keeps `executemany`, whose loop is already in C.
+        per key. SQLite keeps `executemany`, whose loop is already in C. Every row
+        or none is stored, inside a transaction or not.
         """
         if not rows:
             return
         width = len(rows[0])
+        if any(len(row) != width for row in rows):
+            # Flattened, a short row would shift the next one's values into its columns.
+            raise ValueError("insert_rows: rows of different widths")
         marks = "(" + ", ".join("?" * width) + ")"
         if not self.is_postgres:
-            self.executemany(f"{head} VALUES {marks} {tail}", rows)
+            # In a transaction of its own if there is none: SQLite's connection is in
+            # autocommit, where `executemany` would keep the rows before a failing one.
+            with self.transaction():
+                self.executemany(f"{head} VALUES {marks} {tail}", rows)
             return
         # PostgreSQL takes at most 65,535 parameters per statement.
         chunk = max(1, min(_ROWS_PER_STATEMENT, 65_535 // width))
-        with self._lock, self._pg.cursor() as cursor:
+        # All chunks or none, also outside a transaction.
+        with self.transaction(), self._pg.cursor() as cursor:
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
                 values = ", ".join([marks] * len(part))

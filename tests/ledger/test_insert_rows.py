@@ -66,3 +66,27 @@ def test_a_failing_chunk_leaves_nothing_of_its_transaction(storage: StorageConfi
     # Nothing was given: no statement at all.
     db.insert_rows(head, [])
     assert db.query("SELECT count(*) FROM t_rows") == [(1,)]
+
+
+def test_outside_a_transaction_a_failing_chunk_leaves_nothing_either(
+    storage: StorageConfig,
+) -> None:
+    db = SqlDatabase(storage)
+    head = _table(db, 200)
+    db.insert_rows(head, [(650, *("stored",) * 199)])
+    rows = [(k, *("x",) * 199) for k in range(700) if k != 650] + [(650, *("x",) * 199)]
+    with pytest.raises((sqlite3.IntegrityError, psycopg.errors.UniqueViolation)):
+        db.insert_rows(head, rows)
+    assert db.query("SELECT k, c1 FROM t_rows") == [(650, "stored")]
+
+
+def test_rows_of_different_widths_are_refused_before_anything_is_sent(
+    storage: StorageConfig,
+) -> None:
+    # Flattened into one VALUES list, ("2", "a2") and a wider row after it would have
+    # the same parameter count as three good rows, with values in the wrong columns.
+    db = SqlDatabase(storage)
+    head = _table(db, 3)
+    with pytest.raises(ValueError, match="different widths"):
+        db.insert_rows(head, [(1, "a1", "b1"), (2, "a2"), (3, "a3", "b3", "x")])
+    assert db.query("SELECT count(*) FROM t_rows") == [(0,)]

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import psycopg
+import psycopg.conninfo
 import pytest
 from eventsourcing.persistence import (
     IntegrityError,
@@ -24,7 +25,7 @@ from eventsourcing.persistence import (
     PersistenceError,
     StoredEvent,
 )
-from eventsourcing.postgres import PostgresApplicationRecorder
+from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 
 from ledger import StorageConfig
 from ledger.adapters.eventstore import EventStoreApp
@@ -173,6 +174,63 @@ def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order
         # Each append notified the log's readers once it committed.
         notices = list(listener.notifies(timeout=5, stop_after=2))
         assert [notice.channel for notice in notices] == [ours.channel_name] * 2
+
+
+def test_without_its_function_the_recorder_appends_statement_by_statement(
+    two_stores: tuple[EventStoreApp, PostgresApplicationRecorder, StorageConfig],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A schema made by an earlier release and served with the library's CREATE_TABLE
+    # off has no append function: appends still work, with the same rows, the same
+    # duplicate refusal and the texts in the same transaction, and a warning says so.
+    app, library, storage = two_stores
+    ours = app.recorder
+    assert isinstance(ours, ArrayInsertRecorder)
+    with psycopg.connect(storage.postgres_dsn or "", autocommit=True) as conn:
+        dropped = conn.execute(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n"
+            " ON n.oid = p.pronamespace WHERE n.nspname = %s AND p.proname LIKE"
+            " 'opledger_append_%%'",
+            (storage.postgres_schema,),
+        ).fetchall()
+        assert len(dropped) == 1
+        conn.execute(f"DROP FUNCTION {dropped[0][0]}")
+    ids = [ours.insert_events(_EVENTS[:2]), ours.insert_events(_EVENTS[2:])]
+    assert ids == [library.insert_events(_EVENTS[:2]), library.insert_events(_EVENTS[2:])]
+    assert _rows(ours) == _rows(library)
+    assert "append function is missing" in caplog.text
+    with pytest.raises(IntegrityError):
+        ours.insert_events([StoredEvent("host/op-9", 1, "t", b"{}"), _EVENTS[0]])
+    assert len(_rows(ours)) == 4
+
+
+def test_recorders_of_long_table_names_each_append_to_their_own_table() -> None:
+    # The function is named after its text, so two tables whose names share a long
+    # prefix never share one (PostgreSQL cuts names over 63 characters).
+    storage = postgres_storage_or_skip()
+    SqlDatabase(storage)  # creates the schema
+    params = psycopg.conninfo.conninfo_to_dict(storage.postgres_dsn or "")
+    datastore = PostgresDatastore(
+        dbname=str(params.get("dbname", "postgres")),
+        host=str(params.get("host", "127.0.0.1")),
+        port=str(params.get("port", "5432")),
+        user=str(params.get("user", "postgres")),
+        password=str(params.get("password", "")),
+        schema=storage.postgres_schema or "",
+        originator_id_type="text",
+    )
+    try:
+        prefix = "t" * 54
+        alpha = ArrayInsertRecorder(datastore, events_table_name=f"{prefix}_alpha")
+        bravo = ArrayInsertRecorder(datastore, events_table_name=f"{prefix}_bravo")
+        alpha.create_table()
+        bravo.create_table()
+        alpha.insert_events(_EVENTS[:1])
+        bravo.insert_events(_EVENTS[:2])
+        assert (len(_rows(alpha)), len(_rows(bravo))) == (1, 2)
+    finally:
+        datastore.close()
+        drop_schema(storage)
 
 
 # ------------------------------------------------- kept results with the events
