@@ -148,6 +148,18 @@ def _gc_pauses(_value: str) -> None:
                     f" total {sum(times) * 1e3:.1f} ms, longest {max(times) * 1e3:.2f} ms",
                     file=sys.stderr,
                 )
+        # What a full collection has to walk (the frozen objects aside): by type.
+        oldest = gc.get_objects(generation=2)
+        kinds: dict[str, int] = {}
+        for item in oldest:
+            name = f"{type(item).__module__}.{type(item).__qualname__}"
+            kinds[name] = kinds.get(name, 0) + 1
+        top = sorted(kinds.items(), key=lambda kind: -kind[1])[:12]
+        print(
+            f"gc gen2 holds {len(oldest)} objects ({gc.get_freeze_count()} frozen): "
+            + ", ".join(f"{name} {count}" for name, count in top),
+            file=sys.stderr,
+        )
 
     atexit.register(report)
 
