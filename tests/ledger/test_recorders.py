@@ -263,6 +263,35 @@ def test_a_result_and_its_kept_text_are_stored_together_or_not_at_all(
     assert report.ok, report.findings
 
 
+def test_without_the_append_function_a_result_and_its_text_still_go_in_together(
+    postgres_storage: StorageConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The library's statements, used where the append function is missing, keep the
+    texts in the events' transaction too: the same sequence as above."""
+    ledger = make_ledger(postgres_storage)
+    ledger.submit(search("op-1"), ALICE)
+    grant = ledger.lease("op-1", executor="exec-1")
+    (function,) = ledger.db.query(
+        "SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n"
+        " ON n.oid = p.pronamespace WHERE n.nspname = ? AND p.proname LIKE 'opledger_append_%%'",
+        (postgres_storage.postgres_schema,),
+    )
+    ledger.db.execute(f"DROP FUNCTION {function[0]}")
+    before = event_types(ledger, "op-1")
+    ledger.db.execute("ALTER TABLE opledger_results RENAME TO opledger_results_away")
+    with pytest.raises(PersistenceError):
+        ledger.record_result(result("op-1", grant.fencing_token, data=KEPT))
+    ledger.db.execute("ALTER TABLE opledger_results_away RENAME TO opledger_results")
+    assert event_types(ledger, "op-1") == before
+    assert ledger.db.query("SELECT COUNT(*) FROM opledger_results")[0][0] == 0
+    ledger.record_result(result("op-1", grant.fencing_token, data=KEPT))
+    assert event_types(ledger, "op-1")[-1] == "Succeeded"
+    assert "append function is missing" in caplog.text
+    ledger.refresh()
+    report = ledger.audit.verify(trusted_keys=[SEAL_KEY.public_key])
+    assert report.ok, report.findings
+
+
 def test_a_batch_of_results_keeps_its_texts_in_its_one_append(storage: StorageConfig) -> None:
     """Results recorded together (the service's batch): one append carries every settling
     event and every text they bind; the same results again keep nothing more."""
