@@ -193,10 +193,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
             curs.execute(
                 self._append,
                 (
-                    [str(event.originator_id) for event in stored_events],
-                    [event.originator_version for event in stored_events],
-                    [event.topic for event in stored_events],
-                    [bytes(event.state) for event in stored_events],
+                    *_event_columns(stored_events),
                     [row[0] for row in results],
                     [row[1] for row in results],
                     [row[2] for row in results],
@@ -220,16 +217,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         self._notify_channel(curs)
         if results:
             curs.executemany(self._insert_results, results)
-        curs.execute(
-            self._insert_arrays,
-            (
-                [str(event.originator_id) for event in stored_events],
-                [event.originator_version for event in stored_events],
-                [event.topic for event in stored_events],
-                [bytes(event.state) for event in stored_events],
-            ),
-            prepare=True,
-        )
+        curs.execute(self._insert_arrays, _event_columns(stored_events), prepare=True)
 
     @cached_property
     def _insert_arrays(self) -> Composed:
@@ -246,6 +234,19 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         return SQL(_INSERT_RESULTS.format(table="{schema}.{table}", marks="%s, %s, %s")).format(
             schema=Identifier(self.datastore.schema), table=Identifier(_RESULTS)
         )
+
+
+def _event_columns(
+    stored_events: Sequence[StoredEvent],
+) -> tuple[list[str], list[int], list[str], list[bytes]]:
+    """The events as four arrays (IDs, versions, topics, states), dumped in binary by
+    psycopg's C layer."""
+    return (
+        [str(event.originator_id) for event in stored_events],
+        [event.originator_version for event in stored_events],
+        [event.topic for event in stored_events],
+        [bytes(event.state) for event in stored_events],
+    )
 
 
 class SQLiteResultsRecorder(SQLiteApplicationRecorder):
