@@ -219,12 +219,14 @@ def _cpu_split(_value: str) -> None:
     import time
 
     from ledger.server import relay
-    from ledger.service._leasing import Leasing
-    from ledger.service._read_models import ReadModels
-    from ledger.service._results import ResultRecording
-    from ledger.service._runner import CommandRunner
-    from ledger.service._status import StatusReader
-    from ledger.service._submission import Submissions
+    from ledger.service import (
+        CommandRunner,
+        Leasing,
+        ReadModels,
+        ResultRecording,
+        StatusReader,
+        Submissions,
+    )
 
     totals: dict[str, list[float]] = {}
 
