@@ -69,6 +69,8 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+_CREATE_LOCK_KEY = 0x6F706C6564676572  # "opledger": the advisory lock table creators take
+
 KeptResultRow = tuple[str, str, str]
 """(result reference, operation ID, exact envelope text): a row of `opledger_results`."""
 
@@ -142,6 +144,15 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
             ") AS appended(notification_id)"
         ).format(schema=schema, function=function)
         self._function_missing = False
+
+    def _create_table(self, curs: Cursor[DictRow]) -> None:
+        # Two services starting together each replace the library's function and
+        # ours in their own transaction, and PostgreSQL refuses the second of two
+        # concurrent replacements of one function ("tuple concurrently updated"):
+        # one of the services failed to start (3 times in 30 paired starts before
+        # this). One creator at a time per database, until its transaction ends.
+        curs.execute("SELECT pg_advisory_xact_lock(%s)", (_CREATE_LOCK_KEY,))
+        super()._create_table(curs)
 
     def insert_events(
         self,

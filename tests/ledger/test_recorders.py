@@ -29,7 +29,7 @@ from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastor
 
 from ledger import StorageConfig
 from ledger.adapters.eventstore import EventStoreApp
-from ledger.adapters.recorders import ArrayInsertRecorder
+from ledger.adapters.recorders import _CREATE_LOCK_KEY, ArrayInsertRecorder
 from ledger.adapters.sql import SqlDatabase
 from ledger.domain.states import ResultDisposition
 from tests.conftest import drop_schema, postgres_storage_or_skip
@@ -231,6 +231,35 @@ def test_recorders_of_long_table_names_each_append_to_their_own_table() -> None:
     finally:
         datastore.close()
         drop_schema(storage)
+
+
+def test_services_starting_together_create_the_tables_one_at_a_time(
+    postgres_storage: StorageConfig,
+) -> None:
+    # Two services starting at once both replace the append functions; PostgreSQL
+    # refuses the second of two concurrent replacements, and a service failed to
+    # start. Here a creator holds the lock (as a starting service would): another
+    # one's table creation is seen waiting for it, and finishes once it is released.
+    SqlDatabase(postgres_storage)
+    EventStoreApp(postgres_storage)  # an existing database, as on every restart
+    dsn = postgres_storage.postgres_dsn or ""
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as watcher:
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", (_CREATE_LOCK_KEY,))
+        pool = ThreadPoolExecutor(1)
+        started = pool.submit(EventStoreApp, postgres_storage)
+        waiting: list[tuple[object, ...]] = []
+        for _ in range(200):  # until the second creator is seen waiting (or 10 s)
+            waiting = watcher.execute(
+                "SELECT locktype FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchall()
+            if waiting:
+                break
+            time.sleep(0.05)
+        assert waiting == [("advisory",)]
+        assert not started.done()
+        holder.commit()
+        assert isinstance(started.result(timeout=30), EventStoreApp)
+        pool.shutdown()
 
 
 # ------------------------------------------------- kept results with the events
