@@ -171,6 +171,8 @@ class PhaseResult:
     cpu_ms_per_op: dict[str, float] = field(default_factory=dict)
     rss_mb: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """Process group → resident memory (MB) before and after the phase, and its peak."""
+    service_rss_curve: list[float] = field(default_factory=list)
+    """The service's resident memory (MB) sampled through the phase, every half second."""
 
     @property
     def ops_per_s(self) -> float:
@@ -895,7 +897,24 @@ async def _with_cpu(
     }
     bench_before = time.process_time()
     machine_before = machine_busy_seconds()
-    result = await measure()
+    curve: list[float] = []
+
+    async def sample_service_memory() -> None:
+        # A leak shows as a rise that goes on through the phase; caches that fill
+        # up and stop (bounded) as a rise that levels off. Start and end alone
+        # cannot tell the two apart.
+        while True:
+            curve.append(sum(memory_mb(p)[0] for p in pids.get("service", [])))
+            await asyncio.sleep(0.5)
+
+    sampler = asyncio.create_task(sample_service_memory())
+    try:
+        result = await measure()
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    result.service_rss_curve = curve
     after = {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()}
     result.cpu_ms_per_op = {
         name: (after[name] - before[name]) * 1000 / ops for name in pids if pids[name]
@@ -1036,6 +1055,12 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
         if "service" in phase.rss_mb:
             start, end, peak = phase.rss_mb["service"]
             print(f"  service memory MB, {name}: {start:.0f} -> {end:.0f} (peak {peak:.0f})")
+        if len(phase.service_rss_curve) >= 20:
+            # At each tenth of the phase: flat at the end means bounded.
+            curve = phase.service_rss_curve
+            tenths = [curve[min(len(curve) - 1, len(curve) * k // 10)] for k in range(11)]
+            print(f"  service memory MB at each tenth, {name}: "
+                  + " ".join(f"{mb:.0f}" for mb in tenths))
     for name, stages in report.breakdowns.items():
         parts = ", ".join(
             f"{stage} {percentile(sorted(values), 50) * 1000:.1f}/"
