@@ -90,7 +90,7 @@ def build_ledger(
     if create:
         # The seal's tables exist in every ledger, sealed or not, so that
         # readers always find them (empty, for a ledger without a key).
-        with db.transaction():
+        with db.creating():
             for statement in SEAL_SCHEMA:
                 db.execute(statement)
     projector = OperationsProjector(db, events.recorder, create=create)

@@ -39,6 +39,7 @@ version) into `IntegrityError`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -55,9 +56,11 @@ from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastor
 from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteCursor, SQLiteDatastore
 from eventsourcing.utils import retry
 from psycopg import Cursor
-from psycopg.errors import UndefinedFunction
+from psycopg.errors import DuplicateObject, UndefinedFunction
 from psycopg.rows import DictRow
 from psycopg.sql import SQL, Composed, Identifier
+
+from ledger.adapters.creation_lock import CREATE_LOCK_KEY
 
 __all__ = [
     "POSTGRES_RECORDER_TOPIC",
@@ -68,8 +71,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-_CREATE_LOCK_KEY = 0x6F706C6564676572  # "opledger": the advisory lock table creators take
 
 KeptResultRow = tuple[str, str, str]
 """(result reference, operation ID, exact envelope text): a row of `opledger_results`."""
@@ -145,6 +146,26 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         ).format(schema=schema, function=function)
         self._function_missing = False
 
+    def create_table(self) -> None:
+        """Create the library's types, tables and functions, and ours, one creator
+        at a time (`ledger.adapters.creation_lock`)."""
+        # The library creates each composite type in a transaction of its own and
+        # passes over the error of one that exists. Two services opening a fresh
+        # schema together both found a type absent, and the second one's commit
+        # failed on `pg_type_typname_nsp_index`, which the library does not pass
+        # over (5 to 7 of 40 starts, four at a time, once every other creator took
+        # the lock; none with this). Created here first under
+        # the creators' lock, the types exist before the library's own loop runs.
+        for statement in self.sql_create_statements:
+            if "CREATE TYPE" in statement.as_string(None):
+                with (
+                    self.datastore.transaction(commit=True) as curs,
+                    contextlib.suppress(DuplicateObject),
+                ):
+                    curs.execute("SELECT pg_advisory_xact_lock(%s)", (CREATE_LOCK_KEY,))
+                    curs.execute(statement, prepare=False)
+        super().create_table()
+
     def _create_table(self, curs: Cursor[DictRow]) -> None:
         # Two services starting together each replace the library's function and
         # ours in their own transaction, and PostgreSQL refuses the second of two
@@ -152,7 +173,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         # one of the services failed to start (11 of 40 starts, two at a time, on an
         # existing schema; none with this). One creator at a time per database, until
         # its transaction ends.
-        curs.execute("SELECT pg_advisory_xact_lock(%s)", (_CREATE_LOCK_KEY,))
+        curs.execute("SELECT pg_advisory_xact_lock(%s)", (CREATE_LOCK_KEY,))
         super()._create_table(curs)
 
     def insert_events(

@@ -34,10 +34,12 @@ class ResultStore:
     def __init__(self, db: SqlDatabase, *, create: bool = True) -> None:
         self._db = db
         if create:
-            db.execute(
-                f"CREATE TABLE IF NOT EXISTS {RESULTS_TABLE} ("
-                " result_ref TEXT PRIMARY KEY, operation_id TEXT NOT NULL, envelope TEXT NOT NULL)"
-            )
+            with db.creating():
+                db.execute(
+                    f"CREATE TABLE IF NOT EXISTS {RESULTS_TABLE} ("
+                    " result_ref TEXT PRIMARY KEY, operation_id TEXT NOT NULL,"
+                    " envelope TEXT NOT NULL)"
+                )
 
     @staticmethod
     def reference(operation_id: str, attempt: int) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from ledger.adapters.creation_lock import CREATE_LOCK_KEY
 from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 
 __all__ = ["SqlDatabase"]
@@ -63,10 +64,11 @@ class SqlDatabase:
             self._conn = conn
         else:
             pg = psycopg.connect(storage.postgres_dsn or "", autocommit=True)
-            if storage.postgres_schema:
-                pg.execute(f'CREATE SCHEMA IF NOT EXISTS "{storage.postgres_schema}"')
-                pg.execute(f'SET search_path TO "{storage.postgres_schema}"')
             self._conn = pg
+            if storage.postgres_schema:
+                with self.creating():
+                    pg.execute(f'CREATE SCHEMA IF NOT EXISTS "{storage.postgres_schema}"')
+                pg.execute(f'SET search_path TO "{storage.postgres_schema}"')
 
     def _sql(self, statement: str) -> str:
         return statement.replace("?", "%s") if self.is_postgres else statement
@@ -97,6 +99,17 @@ class SqlDatabase:
                     self._conn.execute("COMMIT")
             finally:
                 self._depth = 0
+
+    @contextmanager
+    def creating(self) -> Iterator[SqlDatabase]:
+        """A transaction for creating schemas, tables, indexes and columns: on
+        PostgreSQL it first takes the creators' lock (`ledger.adapters.creation_lock`),
+        so that two processes opening one fresh database never create the same thing
+        at once. Nested in a transaction, the lock is held until the outer one ends."""
+        with self.transaction():
+            if self.is_postgres:
+                self.execute("SELECT pg_advisory_xact_lock(?)", (CREATE_LOCK_KEY,))
+            yield self
 
     @property
     def _pg(self) -> psycopg.Connection[Any]:

@@ -308,7 +308,7 @@ class Sealer:
         self._sealed_at = float("-inf")
         self._head: SignedHead | None = None  # the last head known good, cached
         self._signed_up_to = 0  # the last position this process signed itself
-        with db.transaction():
+        with db.creating():
             for statement in SCHEMA:
                 db.execute(statement)
             db.execute(

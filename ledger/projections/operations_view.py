@@ -118,7 +118,7 @@ class OperationsProjector:
         self.projected: tuple[int, list[Notification]] = (0, [])
         if not create:
             return
-        with db.transaction():
+        with db.creating():
             for statement in _SCHEMA:
                 db.execute(statement)
             self._add_later_columns(db)

@@ -60,19 +60,21 @@ class RelayPositions:
     def __init__(self, db: SqlDatabase, name: str = "relay") -> None:
         self._db = db
         self._name = name
-        db.execute(
-            f"CREATE TABLE IF NOT EXISTS {_TABLE} ("
-            " name TEXT PRIMARY KEY, position BIGINT NOT NULL, owner TEXT, until TEXT)"
-        )
-        db.execute(
-            f"INSERT INTO {_TABLE} (name, position) VALUES (?, 0) ON CONFLICT (name) DO NOTHING",
-            (name,),
-        )
-        db.execute(
-            f"CREATE TABLE IF NOT EXISTS {SET_ASIDE_TABLE} ("
-            " position BIGINT PRIMARY KEY, operation_id TEXT NOT NULL,"
-            " version INTEGER NOT NULL, reason TEXT NOT NULL, set_aside_at TEXT NOT NULL)"
-        )
+        with db.creating():
+            db.execute(
+                f"CREATE TABLE IF NOT EXISTS {_TABLE} ("
+                " name TEXT PRIMARY KEY, position BIGINT NOT NULL, owner TEXT, until TEXT)"
+            )
+            db.execute(
+                f"INSERT INTO {_TABLE} (name, position) VALUES (?, 0)"
+                " ON CONFLICT (name) DO NOTHING",
+                (name,),
+            )
+            db.execute(
+                f"CREATE TABLE IF NOT EXISTS {SET_ASIDE_TABLE} ("
+                " position BIGINT PRIMARY KEY, operation_id TEXT NOT NULL,"
+                " version INTEGER NOT NULL, reason TEXT NOT NULL, set_aside_at TEXT NOT NULL)"
+            )
 
     def take(self, owner: str, now: datetime, until: datetime) -> int | None:
         """Take the lease for `owner` until `until` if it is free, expired or already
