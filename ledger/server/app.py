@@ -34,7 +34,7 @@ from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.plan_follower import PlanFollower
 from ledger.server.redispatch import Redispatcher
-from ledger.server.relay import Relay, RelayPorts, RelayPositions
+from ledger.server.relay import AppendedRows, Relay, RelayPorts, RelayPositions
 from ledger.server.requests import RequestServer
 from ledger.server.transient import log_failure
 from ledger.server.view_refresher import ViewRefresher
@@ -181,11 +181,13 @@ def relay_ports(
     observe: Callable[[Sequence[StoredRow]], object] | None = None,
     taken_over: Callable[[], object] | None = None,
     refresh_soon: Callable[[], object] | None = None,
+    rows_after: Callable[[int, int], Sequence[StoredRow]] | None = None,
 ) -> RelayPorts:
     """The relay's ports on a real ledger: the composition root's one look inside it
     (`observe`: who else reads each batch of events, the plan follower; `taken_over`:
     what it does when this instance starts relaying; `refresh_soon`: a view refresher's,
-    if the view is refreshed on a thread of its own)."""
+    if the view is refreshed on a thread of its own; `rows_after`: where the relay
+    reads the log, the table itself unless given)."""
     catalog = ledger.checker.catalog
 
     def sensitive_arguments(tool: str) -> tuple[str, ...]:
@@ -198,7 +200,7 @@ def relay_ports(
         )
 
     return RelayPorts(
-        rows_after=ledger.stored_rows_after,
+        rows_after=rows_after or ledger.stored_rows_after,
         refresh=ledger.refresh,
         routes=ledger.projector.routes,
         sensitive_arguments=sensitive_arguments,
@@ -229,7 +231,11 @@ def build_relay(
     `relay`: the class, or a factory taking `Relay`'s arguments; `observe`, `taken_over`,
     `refresh_soon`: see `relay_ports`)."""
     ledger = gateway.ledger
-    ports = relay_ports(ledger, observe, taken_over, refresh_soon)
+    # What this process appends reaches the relay without a read of the table,
+    # when it provably follows the relay's position (`AppendedRows`).
+    appended = AppendedRows(ledger.stored_rows_after)
+    ledger.runner.on_stored(appended.add)
+    ports = relay_ports(ledger, observe, taken_over, refresh_soon, appended.rows_after)
     return relay(gateway, nc, ports, RelayPositions(ledger.db), **options)
 
 

@@ -42,7 +42,7 @@ from eventsourcing.application import AggregateNotFoundError
 from eventsourcing.persistence import IntegrityError
 
 from ledger._recent import Recent
-from ledger.adapters.event_tables import EventTableReader
+from ledger.adapters.event_tables import EventTableReader, StoredRow
 from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.recorders import KeptResultRow
 from ledger.domain.errors import LedgerError, OperationConflict, OperationNotFound
@@ -102,6 +102,7 @@ class CommandRunner:
         # Kept result texts commands asked to store with their operation's events
         # (`keep_with_events`): operation ID → reference → row.
         self._kept: dict[str, dict[str, KeptResultRow]] = {}
+        self._stored_listeners: list[Callable[[Sequence[StoredRow]], object]] = []
 
     # ------------------------------------------------------------------ loading
 
@@ -173,7 +174,7 @@ class CommandRunner:
             row for operation in operations for row in self._kept.pop(operation.id, {}).values()
         ]
         try:
-            self.events.events.put(events, results=kept)
+            recordings = self.events.events.put(events, results=kept)
         except BaseException:
             self.forget(*(operation.id for operation in operations))
             raise
@@ -181,6 +182,21 @@ class CommandRunner:
             for operation in operations:
                 if isinstance(operation, Operation):
                     self._cache.remember(operation.id, operation, operation.history_bytes)
+        if self._stored_listeners and recordings:
+            rows = [
+                (n.id, str(n.originator_id), n.originator_version, n.topic, n.state)
+                for n in (recording.notification for recording in recordings)
+            ]
+            for listener in self._stored_listeners:
+                try:
+                    listener(rows)
+                except Exception:  # the events are stored: a listener never undoes that
+                    _log.exception("a listener to stored events failed")
+
+    def on_stored(self, listener: Callable[[Sequence[StoredRow]], object]) -> None:
+        """Call `listener` with the rows of every append once it is stored (committed),
+        as the table holds them: (position, operation ID, version, topic, state)."""
+        self._stored_listeners.append(listener)
 
     def keep_with_events(self, operation_id: str, reference: str, text: str) -> None:
         """Store this kept result text in the same transaction as the operation's next

@@ -117,12 +117,12 @@ def test_every_creator_waits_for_the_creators_lock(
 
 def test_services_opening_one_fresh_database_together_all_start() -> None:
     # The race itself, without a lock held by the test: four services open one
-    # fresh schema at the same moment, ten times. Before every creator took the
-    # lock, 31 of the 40 starts failed in each of three runs, on
+    # fresh schema at the same moment, six times. Before every creator took the
+    # lock, 31 of 40 starts (ten rounds) failed in each of three runs, on
     # `pg_namespace_nspname_index` (the schema) or `pg_type_typname_nsp_index`
     # (a table's or the library's composite type).
     failures: list[str] = []
-    for _ in range(10):
+    for _ in range(6):
         storage = postgres_storage_or_skip()
         try:
             with ThreadPoolExecutor(4) as pool:

@@ -18,10 +18,13 @@ Its parts, each in its own module:
   (`messages_for`), tested without NATS;
 - `publisher`: the JetStream side, with its proof of what was stored and the
   republish when something was not (`RelayPublisher`);
+- `appended`: the rows this process just appended, handed to the relay instead
+  of read back when they provably follow its position (`AppendedRows`);
 - the `Relay` itself, which reads the ledger only through `RelayPorts`.
 """
 
 from ledger.server.relay._relay import Relay, RelayPorts
+from ledger.server.relay.appended import AppendedRows
 from ledger.server.relay.messages import (
     RelayMessage,
     Route,
@@ -39,6 +42,7 @@ from ledger.server.relay.publisher import Proof, RelayPublisher
 
 __all__ = [
     "SET_ASIDE_TABLE",
+    "AppendedRows",
     "Proof",
     "Relay",
     "RelayMessage",
