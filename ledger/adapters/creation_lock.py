@@ -8,11 +8,27 @@ second with "tuple concurrently updated". Services, operators' commands and test
 that open one fresh database together therefore create one at a time: each
 creating transaction first takes this transaction-scoped advisory lock, which
 PostgreSQL releases at its commit or rollback.
+
+The lock is one per schema: what is created in one schema never collides with
+another's, so deployments (or tests) in other schemas of the same database do not
+wait for each other.
 """
 
 from __future__ import annotations
 
-__all__ = ["CREATE_LOCK_KEY"]
+import hashlib
 
-CREATE_LOCK_KEY = 0x6F706C6564676572  # "opledger" in ASCII
-"""The key of `pg_advisory_xact_lock` every opledger table creator takes first."""
+__all__ = ["CREATION_LOCK_SQL", "creation_lock_keys"]
+
+_OPLEDGER = 0x6F706C65  # "ople" in ASCII: the first key, the same for every schema
+
+CREATION_LOCK_SQL = "SELECT pg_advisory_xact_lock(%s, %s)"
+"""The statement that takes the lock (psycopg placeholders; see `creation_lock_keys`)."""
+
+
+def creation_lock_keys(schema: str) -> tuple[int, int]:
+    """The two 32-bit keys of `pg_advisory_xact_lock` for creators in `schema` (empty:
+    the default schema, `public`, as the `eventsourcing` library reads it)."""
+    name = schema.strip() or "public"
+    digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big", signed=True)
+    return _OPLEDGER, digest

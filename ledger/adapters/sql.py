@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from ledger.adapters.creation_lock import CREATE_LOCK_KEY
+from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
 from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 
 __all__ = ["SqlDatabase"]
@@ -105,10 +105,13 @@ class SqlDatabase:
         """A transaction for creating schemas, tables, indexes and columns: on
         PostgreSQL it first takes the creators' lock (`ledger.adapters.creation_lock`),
         so that two processes opening one fresh database never create the same thing
-        at once. Nested in a transaction, the lock is held until the outer one ends."""
+        at once (one lock per schema). Nested in a transaction, the lock is held until
+        the outer one ends."""
         with self.transaction():
             if self.is_postgres:
-                self.execute("SELECT pg_advisory_xact_lock(?)", (CREATE_LOCK_KEY,))
+                keys = creation_lock_keys(self.storage.postgres_schema)
+                with self._lock:
+                    self._pg.execute(CREATION_LOCK_SQL, keys)
             yield self
 
     @property

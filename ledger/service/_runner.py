@@ -183,15 +183,17 @@ class CommandRunner:
                 if isinstance(operation, Operation):
                     self._cache.remember(operation.id, operation, operation.history_bytes)
         if self._stored_listeners and recordings:
-            rows = [
-                (n.id, str(n.originator_id), n.originator_version, n.topic, n.state)
-                for n in (recording.notification for recording in recordings)
-            ]
-            for listener in self._stored_listeners:
-                try:
+            # The events are stored: nothing here may look like a failed save (the
+            # gateway would run the turn's commands again on top of what is stored).
+            try:
+                rows = [
+                    (n.id, str(n.originator_id), n.originator_version, n.topic, n.state)
+                    for n in (recording.notification for recording in recordings)
+                ]
+                for listener in self._stored_listeners:
                     listener(rows)
-                except Exception:  # the events are stored: a listener never undoes that
-                    _log.exception("a listener to stored events failed")
+            except Exception:
+                _log.exception("a listener to stored events failed")
 
     def on_stored(self, listener: Callable[[Sequence[StoredRow]], object]) -> None:
         """Call `listener` with the rows of every append once it is stored (committed),

@@ -136,8 +136,22 @@ def test_a_relay_that_does_not_take_them_keeps_a_bounded_number(
     appended = _listening(ledger, kept=10)
     _submit(ledger, *(f"op-{n}" for n in range(8)))  # three or four rows each
 
-    assert len(appended._rows) <= 10
+    assert appended.kept[0] <= 10
     assert _follow(appended, 0) == _table(ledger)
+
+
+def test_the_rows_kept_are_bounded_in_bytes(storage: StorageConfig) -> None:
+    # A proposal's arguments may be large: the rows kept are bounded by their
+    # states' bytes as well as by their count; the relay then reads them.
+    ledger = make_ledger(storage)
+    appended = _listening(ledger)
+    bounded = AppendedRows(ledger.stored_rows_after, kept_bytes=4_000)
+    ledger.runner.on_stored(bounded.add)
+    _submit(ledger, *(f"op-{n}" for n in range(8)))
+
+    assert appended.kept[1] > 4_000  # what the count alone would have kept
+    assert 0 < bounded.kept[1] <= 4_000
+    assert _follow(bounded, 0) == _table(ledger)
 
 
 def test_writers_on_other_threads_while_the_relay_follows(storage: StorageConfig) -> None:
@@ -185,5 +199,4 @@ def test_writers_on_other_threads_while_the_relay_follows(storage: StorageConfig
     assert failures == []
     table = _table(ours)
     assert len({row[1] for row in table}) == 80  # every proposal stored
-    assert taken == table
-    assert appended.served > 0 and appended.reads > 1  # both ways were taken
+    assert taken == table  # how much came from memory depends on the threads' timing

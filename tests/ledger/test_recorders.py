@@ -28,7 +28,7 @@ from eventsourcing.persistence import (
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 
 from ledger import Ledger, StorageConfig
-from ledger.adapters.creation_lock import CREATE_LOCK_KEY
+from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
 from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.adapters.sql import SqlDatabase
@@ -258,7 +258,7 @@ def test_services_starting_together_create_the_tables_one_at_a_time(
     EventStoreApp(postgres_storage)  # an existing database, as on every restart
     dsn = postgres_storage.postgres_dsn or ""
     with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as watcher:
-        holder.execute("SELECT pg_advisory_xact_lock(%s)", (CREATE_LOCK_KEY,))
+        holder.execute(CREATION_LOCK_SQL, creation_lock_keys(postgres_storage.postgres_schema))
         pool = ThreadPoolExecutor(1)
         started = pool.submit(EventStoreApp, postgres_storage)
         waiting = _seen_waiting(

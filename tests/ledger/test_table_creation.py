@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from ledger import StorageConfig
-from ledger.adapters.creation_lock import CREATE_LOCK_KEY
+from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
 from ledger.adapters.eventstore import EventStoreApp
 from ledger.adapters.results import ResultStore
 from ledger.adapters.sql import SqlDatabase
@@ -91,7 +91,7 @@ def test_every_creator_waits_for_the_creators_lock(
         EventStoreApp(postgres_storage)  # and the events; not the rest
     dsn = postgres_storage.postgres_dsn or ""
     with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as watcher:
-        holder.execute("SELECT pg_advisory_xact_lock(%s)", (CREATE_LOCK_KEY,))
+        holder.execute(CREATION_LOCK_SQL, creation_lock_keys(postgres_storage.postgres_schema))
         with ThreadPoolExecutor(1) as pool:
             started = pool.submit(create, postgres_storage)
             waiting = []
@@ -135,3 +135,23 @@ def test_services_opening_one_fresh_database_together_all_start() -> None:
         finally:
             drop_schema(storage)
     assert failures == []
+
+
+def test_creators_in_another_schema_do_not_wait(postgres_storage: StorageConfig) -> None:
+    # One lock per schema: a creator holding one schema's lock (a slow start, an
+    # operator's open transaction) never holds up a deployment in another schema.
+    other = postgres_storage_or_skip()
+    dsn = postgres_storage.postgres_dsn or ""
+    try:
+        with psycopg.connect(dsn) as holder:
+            holder.execute(CREATION_LOCK_SQL, creation_lock_keys(postgres_storage.postgres_schema))
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(build_ledger, other).result(timeout=30)
+    finally:
+        drop_schema(other)
+
+
+def test_the_default_schema_has_the_librarys_name() -> None:
+    # The library reads an empty schema as `public`: both name one lock.
+    assert creation_lock_keys("") == creation_lock_keys("public")
+    assert creation_lock_keys("a") != creation_lock_keys("b")

@@ -34,11 +34,19 @@ class AppendedRows:
     follow its position (see the module docstring); else `read` is asked."""
 
     def __init__(
-        self, read: Callable[[int, int], Sequence[StoredRow]], *, kept: int = 2_000
+        self,
+        read: Callable[[int, int], Sequence[StoredRow]],
+        *,
+        kept: int = 2_000,
+        kept_bytes: int = 8 * 1024 * 1024,
     ) -> None:
         self._read = read
         self._kept = kept
+        # Bounded in bytes too: an event's state may hold a proposal's arguments
+        # (up to 256 KiB), and 2,000 of those would be half a gigabyte.
+        self._kept_bytes = kept_bytes
         self._rows: deque[StoredRow] = deque()
+        self._bytes = 0
         # Appends may come from another thread than the relay's reads.
         self._lock = threading.Lock()
         self.served = 0
@@ -55,15 +63,19 @@ class AppendedRows:
             if kept and rows[0][0] != kept[-1][0] + 1:
                 # A gap: rows someone else stored in between, or positions a failed
                 # transaction used up. The relay reads the table past it.
-                kept.clear()
+                self._clear()
             if any(later[0] != earlier[0] + 1 for earlier, later in pairwise(rows)):
-                kept.clear()
+                self._clear()
                 return
-            if len(kept) + len(rows) > self._kept:
+            size = sum(len(row[4]) for row in rows)
+            if len(kept) + len(rows) > self._kept or self._bytes + size > self._kept_bytes:
                 # Nobody takes them (another instance relays, or the relay is
                 # stopped): memory stays bounded and the relay reads when it comes.
-                kept.clear()
+                self._clear()
+                if len(rows) > self._kept or size > self._kept_bytes:
+                    return
             kept.extend(rows)
+            self._bytes += size
 
     def rows_after(self, position: int, limit: int) -> Sequence[StoredRow]:
         """Up to `limit` stored rows after `position`, in position order: the kept rows
@@ -71,10 +83,21 @@ class AppendedRows:
         with self._lock:
             kept = self._rows
             while kept and kept[0][0] <= position:
-                kept.popleft()  # published, or another instance's relay got past them
+                # Published, or another instance's relay got past them.
+                self._bytes -= len(kept.popleft()[4])
             if kept and kept[0][0] == position + 1:
                 self.served += min(len(kept), limit)
                 return list(islice(kept, limit))
-            kept.clear()  # they do not follow: read past them
-        self.reads += 1
+            self._clear()  # they do not follow: read past them
+            self.reads += 1
         return self._read(position, limit)
+
+    @property
+    def kept(self) -> tuple[int, int]:
+        """The rows kept and their states' bytes (for tests and the bench)."""
+        with self._lock:
+            return len(self._rows), self._bytes
+
+    def _clear(self) -> None:
+        self._rows.clear()
+        self._bytes = 0
