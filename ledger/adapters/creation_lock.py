@@ -17,8 +17,14 @@ wait for each other.
 from __future__ import annotations
 
 import hashlib
+import logging
+from typing import Any
 
-__all__ = ["CREATION_LOCK_SQL", "creation_lock_keys"]
+import psycopg
+
+__all__ = ["CREATION_LOCK_SQL", "creation_lock_keys", "take_creation_lock"]
+
+_log = logging.getLogger(__name__)
 
 _OPLEDGER = 0x6F706C65  # "ople" in ASCII: the first key, the same for every schema
 
@@ -32,3 +38,22 @@ def creation_lock_keys(schema: str) -> tuple[int, int]:
     name = schema.strip() or "public"
     digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big", signed=True)
     return _OPLEDGER, digest
+
+
+def take_creation_lock(
+    session: psycopg.Connection[Any] | psycopg.Cursor[Any], schema: str
+) -> None:
+    """Take the creators' lock for `schema` in the session's open transaction, saying
+    in the log when it has to wait: a start that hangs behind another creator (a
+    slow one, or an operator's open transaction it waits for in turn) is then
+    visible, not silent."""
+    keys = creation_lock_keys(schema)
+    row = session.execute("SELECT pg_try_advisory_xact_lock(%s, %s) AS taken", keys).fetchone()
+    taken = row["taken"] if isinstance(row, dict) else row[0] if row is not None else False
+    if taken:
+        return
+    _log.warning(
+        "waiting for another process creating opledger's tables in schema %s",
+        schema.strip() or "public",
+    )
+    session.execute(CREATION_LOCK_SQL, keys)

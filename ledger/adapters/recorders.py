@@ -60,7 +60,7 @@ from psycopg.errors import DuplicateObject, UndefinedFunction
 from psycopg.rows import DictRow
 from psycopg.sql import SQL, Composed, Identifier
 
-from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
+from ledger.adapters.creation_lock import take_creation_lock
 
 __all__ = [
     "POSTGRES_RECORDER_TOPIC",
@@ -162,7 +162,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
                     self.datastore.transaction(commit=True) as curs,
                     contextlib.suppress(DuplicateObject),
                 ):
-                    curs.execute(CREATION_LOCK_SQL, creation_lock_keys(self.datastore.schema))
+                    take_creation_lock(curs, self.datastore.schema)
                     curs.execute(statement, prepare=False)
         super().create_table()
 
@@ -173,7 +173,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         # one of the services failed to start (11 of 40 starts, two at a time, on an
         # existing schema; none with this). One creator at a time per database, until
         # its transaction ends.
-        curs.execute(CREATION_LOCK_SQL, creation_lock_keys(self.datastore.schema))
+        take_creation_lock(curs, self.datastore.schema)
         super()._create_table(curs)
 
     def insert_events(

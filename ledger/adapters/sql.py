@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
+from ledger.adapters.creation_lock import take_creation_lock
 from ledger.adapters.storage import READ_ONLY_OPTIONS, StorageConfig
 
 __all__ = ["SqlDatabase"]
@@ -109,9 +109,8 @@ class SqlDatabase:
         the outer one ends."""
         with self.transaction():
             if self.is_postgres:
-                keys = creation_lock_keys(self.storage.postgres_schema)
                 with self._lock:
-                    self._pg.execute(CREATION_LOCK_SQL, keys)
+                    take_creation_lock(self._pg, self.storage.postgres_schema)
             yield self
 
     @property

@@ -80,7 +80,7 @@ def _whole_ledger(storage: StorageConfig) -> object:
     ],
 )
 def test_every_creator_waits_for_the_creators_lock(
-    postgres_storage: StorageConfig, create: Creator
+    postgres_storage: StorageConfig, create: Creator, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Each creator, opened while another process holds the lock (as one starting
     # at the same moment would), is seen waiting for it and creates nothing
@@ -113,6 +113,9 @@ def test_every_creator_waits_for_the_creators_lock(
                 assert types == []
             holder.commit()
             started.result(timeout=30)
+    # The wait is said, so that a start hanging behind another creator is visible.
+    waits = [r for r in caplog.records if "waiting for another process" in r.getMessage()]
+    assert waits and postgres_storage.postgres_schema in waits[0].getMessage()
 
 
 def test_services_opening_one_fresh_database_together_all_start() -> None:
