@@ -32,10 +32,15 @@ CREATION_LOCK_SQL = "SELECT pg_advisory_xact_lock(%s, %s)"
 """The statement that takes the lock (psycopg placeholders; see `creation_lock_keys`)."""
 
 
+def _schema_name(schema: str) -> str:
+    # Empty is the default schema, `public`, as the `eventsourcing` library reads it.
+    return schema.strip() or "public"
+
+
 def creation_lock_keys(schema: str) -> tuple[int, int]:
     """The two 32-bit keys of `pg_advisory_xact_lock` for creators in `schema` (empty:
-    the default schema, `public`, as the `eventsourcing` library reads it)."""
-    name = schema.strip() or "public"
+    the default schema, `public`)."""
+    name = _schema_name(schema)
     digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big", signed=True)
     return _OPLEDGER, digest
 
@@ -49,11 +54,10 @@ def take_creation_lock(
     visible, not silent."""
     keys = creation_lock_keys(schema)
     row = session.execute("SELECT pg_try_advisory_xact_lock(%s, %s) AS taken", keys).fetchone()
-    taken = row["taken"] if isinstance(row, dict) else row[0] if row is not None else False
-    if taken:
+    if row is not None and (row["taken"] if isinstance(row, dict) else row[0]):
         return
     _log.warning(
         "waiting for another process creating opledger's tables in schema %s",
-        schema.strip() or "public",
+        _schema_name(schema),
     )
     session.execute(CREATION_LOCK_SQL, keys)

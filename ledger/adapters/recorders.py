@@ -154,8 +154,8 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         # schema together both found a type absent, and the second one's commit
         # failed on `pg_type_typname_nsp_index`, which the library does not pass
         # over (5 to 7 of 40 starts, four at a time, once every other creator took
-        # the lock; none with this). Created here first under
-        # the creators' lock, the types exist before the library's own loop runs.
+        # the lock; none with this). Created here first under the creators' lock,
+        # the types exist before the library's own loop runs.
         for statement in self.sql_create_statements:
             if "CREATE TYPE" in statement.as_string(None):
                 with (
@@ -171,7 +171,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         # ours in their own transaction, and PostgreSQL refuses the second of two
         # concurrent replacements of one function ("tuple concurrently updated"):
         # one of the services failed to start (11 of 40 starts, two at a time, on an
-        # existing schema; none with this). One creator at a time per database, until
+        # existing schema; none with this). One creator at a time per schema, until
         # its transaction ends.
         take_creation_lock(curs, self.datastore.schema)
         super()._create_table(curs)

@@ -108,9 +108,8 @@ class SqlDatabase:
         at once (one lock per schema). Nested in a transaction, the lock is held until
         the outer one ends."""
         with self.transaction():
-            if self.is_postgres:
-                with self._lock:
-                    take_creation_lock(self._pg, self.storage.postgres_schema)
+            if self.is_postgres:  # `transaction` holds the connection's lock
+                take_creation_lock(self._pg, self.storage.postgres_schema)
             yield self
 
     @property

@@ -50,9 +50,9 @@ class AppendedRows:
         # Appends may come from another thread than the relay's reads.
         self._lock = threading.Lock()
         self.served = 0
-        """Rows handed to the relay without a read (for tests and the bench)."""
+        """Rows handed to the relay without a read (for tests)."""
         self.reads = 0
-        """Reads of the table (for tests and the bench)."""
+        """Reads of the table (for tests)."""
 
     def add(self, rows: Sequence[StoredRow]) -> None:
         """Rows one append just stored (committed), in position order."""
@@ -94,7 +94,7 @@ class AppendedRows:
 
     @property
     def kept(self) -> tuple[int, int]:
-        """The rows kept and their states' bytes (for tests and the bench)."""
+        """The rows kept and their states' bytes (for tests)."""
         with self._lock:
             return len(self._rows), self._bytes
 
