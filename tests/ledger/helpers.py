@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
+
+import psycopg
 
 from ledger import Ledger, StorageConfig, build_ledger
 from ledger.audit.seal import SealKey
@@ -157,3 +161,20 @@ def cli_json(capsys: Any, *argv: str, expect: int = 0) -> Any:
     code, out, err = cli(capsys, *argv, "--json")
     assert code == expect, (code, out, err)
     return json.loads(out)
+
+
+def seen_waiting(
+    watcher: psycopg.Connection[tuple[object, ...]],
+    query: str,
+    params: tuple[object, ...] = (),
+    *,
+    unless: Callable[[], bool] = lambda: False,
+) -> list[tuple[object, ...]]:
+    """The rows of `query` (over `pg_locks`) once it finds any, polled for up to 10 s;
+    [] at once when `unless()` turns true (what should wait has finished instead)."""
+    for _ in range(200):
+        waiting = watcher.execute(query, params).fetchall()
+        if waiting or unless():
+            return waiting
+        time.sleep(0.05)
+    return []

@@ -10,7 +10,6 @@ nothing of its batch stored.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -34,7 +33,15 @@ from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.adapters.sql import SqlDatabase
 from ledger.domain.states import ResultDisposition
 from tests.conftest import drop_schema, postgres_storage_or_skip
-from tests.ledger.helpers import ALICE, SEAL_KEY, event_types, make_ledger, result, search
+from tests.ledger.helpers import (
+    ALICE,
+    SEAL_KEY,
+    event_types,
+    make_ledger,
+    result,
+    search,
+    seen_waiting,
+)
 
 KEPT = {"items": [], "truncated": False, "next_cursor": "n1"}
 
@@ -86,18 +93,6 @@ def _rows(recorder: PostgresApplicationRecorder) -> list[tuple[object, ...]]:
             " ORDER BY notification_id"
         )
         return [tuple(row.values()) for row in cursor.fetchall()]
-
-
-def _seen_waiting(
-    watcher: psycopg.Connection[tuple[object, ...]], query: str, params: tuple[object, ...] = ()
-) -> list[tuple[object, ...]]:
-    """The rows of `query` (over `pg_locks`) once it finds any, polled for up to 10 s."""
-    for _ in range(200):
-        waiting = watcher.execute(query, params).fetchall()
-        if waiting:
-            return waiting
-        time.sleep(0.05)
-    return []
 
 
 def _drop_append_function(storage: StorageConfig) -> None:
@@ -182,7 +177,7 @@ def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order
         assert ("ExclusiveLock", True) in held
         pool = ThreadPoolExecutor(1)
         appended = pool.submit(ours.insert_events, [StoredEvent("host/ours", 1, "t", b"{}")])
-        waiting = _seen_waiting(
+        waiting = seen_waiting(
             watcher,
             "SELECT mode FROM pg_locks WHERE relation = %s::regclass AND NOT granted",
             (table,),
@@ -261,7 +256,7 @@ def test_services_starting_together_create_the_tables_one_at_a_time(
         holder.execute(CREATION_LOCK_SQL, creation_lock_keys(postgres_storage.postgres_schema))
         pool = ThreadPoolExecutor(1)
         started = pool.submit(EventStoreApp, postgres_storage)
-        waiting = _seen_waiting(
+        waiting = seen_waiting(
             watcher,
             "SELECT locktype FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
         )

@@ -9,7 +9,6 @@ a holder of that lock, and services starting together on a fresh schema all star
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,40 +25,42 @@ from ledger.bootstrap import build_ledger
 from ledger.projections.operations_view import OperationsProjector
 from ledger.server.relay.position import RelayPositions
 from tests.conftest import drop_schema, postgres_storage_or_skip
-from tests.ledger.helpers import SEAL_KEY
+from tests.ledger.helpers import SEAL_KEY, seen_waiting
 
 _WAITING = "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
 
-Creator = Callable[[StorageConfig], object]
+Creator = Callable[[StorageConfig, EventStoreApp | None], object]
+"""(storage, the event store opened before the lock was held, if the schema has one)
+→ what it creates; the creator under test is the only one that can wait."""
 
 
-def _open_database(storage: StorageConfig) -> object:
+def _open_database(storage: StorageConfig, _: EventStoreApp | None) -> object:
     return SqlDatabase(storage)  # creates the schema
 
 
-def _event_store(storage: StorageConfig) -> object:
+def _event_store(storage: StorageConfig, _: EventStoreApp | None) -> object:
     return EventStoreApp(storage)  # the library's types, tables and functions, and ours
 
 
-def _results(storage: StorageConfig) -> object:
+def _results(storage: StorageConfig, _: EventStoreApp | None) -> object:
     return ResultStore(SqlDatabase(storage))
 
 
-def _relay_positions(storage: StorageConfig) -> object:
+def _relay_positions(storage: StorageConfig, _: EventStoreApp | None) -> object:
     return RelayPositions(SqlDatabase(storage))
 
 
-def _operations_view(storage: StorageConfig) -> object:
-    events = EventStoreApp(storage)  # kept: its pool closes with it
-    return events, OperationsProjector(SqlDatabase(storage), events.recorder)
+def _operations_view(storage: StorageConfig, events: EventStoreApp | None) -> object:
+    assert events is not None
+    return OperationsProjector(SqlDatabase(storage), events.recorder)
 
 
-def _sealer(storage: StorageConfig) -> object:
-    events = EventStoreApp(storage)
-    return events, Sealer(SqlDatabase(storage), events.recorder, SEAL_KEY)
+def _sealer(storage: StorageConfig, events: EventStoreApp | None) -> object:
+    assert events is not None
+    return Sealer(SqlDatabase(storage), events.recorder, SEAL_KEY)
 
 
-def _whole_ledger(storage: StorageConfig) -> object:
+def _whole_ledger(storage: StorageConfig, _: EventStoreApp | None) -> object:
     return build_ledger(storage)
 
 
@@ -85,21 +86,19 @@ def test_every_creator_waits_for_the_creators_lock(
     # Each creator, opened while another process holds the lock (as one starting
     # at the same moment would), is seen waiting for it and creates nothing
     # until it is released. A creator that skipped the lock would finish at once.
+    # What it needs is opened before the lock is held, so that only its own
+    # creation can wait (the event store's would wait for it too).
+    events = None
     if create is not _open_database:
         SqlDatabase(postgres_storage)  # the schema exists
     if create not in (_open_database, _event_store):
-        EventStoreApp(postgres_storage)  # and the events; not the rest
+        events = EventStoreApp(postgres_storage)  # and the events; not the rest
     dsn = postgres_storage.postgres_dsn or ""
     with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as watcher:
         holder.execute(CREATION_LOCK_SQL, creation_lock_keys(postgres_storage.postgres_schema))
         with ThreadPoolExecutor(1) as pool:
-            started = pool.submit(create, postgres_storage)
-            waiting = []
-            for _ in range(200):
-                waiting = watcher.execute(_WAITING).fetchall()
-                if waiting or started.done():
-                    break
-                time.sleep(0.05)
+            started = pool.submit(create, postgres_storage, events)
+            waiting = seen_waiting(watcher, _WAITING, unless=started.done)
             assert waiting, f"finished without the lock: {started.result()!r}"
             assert not started.done()
             if create is _event_store:
