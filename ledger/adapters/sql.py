@@ -25,6 +25,27 @@ __all__ = ["SqlDatabase"]
 _ROWS_PER_STATEMENT = 500
 
 
+def _numbered(first: int, count: int) -> str:
+    """`$first, ..., $(first + count - 1)`: PostgreSQL's own placeholders.
+
+    For statements with hundreds of parameters (`insert_rows`, `query_in`), run
+    through `psycopg.RawCursor`, which sends them as they are. A statement with
+    `%s` marks is parsed by psycopg with a regular expression, one match object per
+    mark, and statements that long are not cached: in the view thread's profile
+    (`bench/e2e_bench.py --storage postgres --profile`) that parse took 3.5 ms per
+    500-row upsert and was the larger part of the thread's CPU, all of it holding
+    the GIL the event loop needs.
+    """
+    return ", ".join([f"${number}" for number in range(first, first + count)])
+
+
+def _numbered_rows(count: int, width: int) -> str:
+    """A VALUES list of `count` rows of `width` numbered placeholders each."""
+    return ", ".join(
+        [f"({_numbered(row * width + 1, width)})" for row in range(count)]
+    )
+
+
 class SqlDatabase:
     """One connection, used by one thread at a time (a lock makes that so).
 
@@ -167,15 +188,22 @@ class SqlDatabase:
             return
         # PostgreSQL takes at most 65,535 parameters per statement.
         chunk = max(1, min(_ROWS_PER_STATEMENT, 65_535 // width))
+        # Written with PostgreSQL's own numbered placeholders, through a raw cursor:
+        # psycopg turns `%s` marks into those with a regular expression in Python,
+        # uncached for long statements, and for the view's 500-row upserts that
+        # parse took longer than the database did (see `_numbered`).
         # All chunks or none, also outside a transaction.
-        with self.transaction(), self._pg.cursor() as cursor:
+        with self.transaction(), psycopg.RawCursor(self._pg) as cursor:
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
-                values = ", ".join([marks] * len(part))
                 params = [value for row in part for value in row]
                 # Not prepared: each row count is another statement text, and they
                 # would crowd the connection's few prepared statements out.
-                cursor.execute(self._sql(f"{head} VALUES {values} {tail}"), params, prepare=False)
+                cursor.execute(
+                    f"{head} VALUES {_numbered_rows(len(part), width)} {tail}",
+                    params,
+                    prepare=False,
+                )
 
     def query(self, statement: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Rows of one query."""
@@ -205,7 +233,12 @@ class SqlDatabase:
         rows: list[tuple[Any, ...]] = []
         for start in range(0, len(values), chunk):
             part = values[start : start + chunk]
-            rows.extend(self.query(statement.format(marks=", ".join("?" * len(part))), part))
+            if not self.is_postgres:
+                rows.extend(self.query(statement.format(marks=", ".join("?" * len(part))), part))
+                continue
+            with self._lock, psycopg.RawCursor(self._pg) as cursor:
+                cursor.execute(statement.format(marks=_numbered(1, len(part))), part)
+                rows.extend(tuple(row) for row in cursor.fetchall())
         return rows
 
     def close(self) -> None:

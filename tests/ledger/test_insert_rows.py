@@ -1,7 +1,8 @@
-"""`SqlDatabase.insert_rows`, which the operations view and the seal write with: on
-PostgreSQL many rows per statement, in chunks under the parameter limit. Every row
-goes in exactly as given, on both backends; an upsert updates; and a chunk that fails
-inside a transaction leaves nothing of the earlier chunks behind."""
+"""`SqlDatabase.insert_rows` and `query_in`, which the operations view and the seal write
+and read with: on PostgreSQL many rows (or values) per statement, in chunks under the
+parameter limit, with numbered placeholders. Every row goes in exactly as given, on both
+backends; an upsert updates; a chunk that fails inside a transaction leaves nothing of the
+earlier chunks behind; `query_in` finds exactly the stored values."""
 
 from __future__ import annotations
 
@@ -90,3 +91,20 @@ def test_rows_of_different_widths_are_refused_before_anything_is_sent(
     with pytest.raises(ValueError, match="different widths"):
         db.insert_rows(head, [(1, "a1", "b1"), (2, "a2"), (3, "a3", "b3", "x")])
     assert db.query("SELECT count(*) FROM t_rows") == [(0,)]
+
+
+def test_query_in_finds_exactly_the_stored_values_across_chunks(storage: StorageConfig) -> None:
+    # Keys that look like placeholders of every dialect (`?`, `%s`, `$1`) are data:
+    # on PostgreSQL the statement carries numbered placeholders and the values travel
+    # apart from it, so none of them can shift or fill in another.
+    db = SqlDatabase(storage)
+    db.execute("CREATE TABLE t_keys (k TEXT PRIMARY KEY, n BIGINT)")
+    awkward = [*_AWKWARD, "$1", "$2, $3", "%(name)s", "?)"]
+    stored = [f"{awkward[n % len(awkward)]}#{n}" for n in range(1234)]
+    db.insert_rows("INSERT INTO t_keys (k, n)", [(key, n) for n, key in enumerate(stored)])
+    asked = stored[::3] + [f"missing {key}" for key in stored[:50]] + ["$1", "?"]
+    found = db.query_in("SELECT k, n FROM t_keys WHERE k IN ({marks}) ORDER BY n", asked, chunk=97)
+    assert found == [(key, n) for n, key in enumerate(stored) if n % 3 == 0]
+    # A chunk of one, and nothing asked: no statement at all.
+    assert db.query_in("SELECT n FROM t_keys WHERE k IN ({marks})", [stored[7]]) == [(7,)]
+    assert db.query_in("SELECT n FROM t_keys WHERE k IN ({marks})", []) == []
