@@ -36,6 +36,7 @@ from ledger.server.plan_follower import PlanFollower
 from ledger.server.redispatch import Redispatcher
 from ledger.server.relay import AppendedRows, Relay, RelayPorts, RelayPositions
 from ledger.server.requests import RequestServer
+from ledger.server.sweep_reads import SweepReads
 from ledger.server.transient import log_failure
 from ledger.server.view_refresher import ViewRefresher
 from ledger.service import Ledger, Submission
@@ -325,6 +326,7 @@ class LedgerService:
         self._redispatcher: Redispatcher | None = None
         self._plans = PlanFollower()
         self.view_refresher: ViewRefresher | None = None
+        self._sweep_reads: SweepReads | None = None
 
     async def _on_reconnected(self) -> None:
         # The server dropped the results consumer's open pull requests.
@@ -616,8 +618,21 @@ class LedgerService:
                 # view thread keeping it close, the sweeps no longer refresh it on the
                 # loop (two refreshes every sweep, 20 ms each on PostgreSQL).
                 refresh = self.view_refresher is None or not self.view_refresher.healthy
-                await self._gateway.call(partial(self.ledger.expire_approvals, refresh=refresh))
-                await self._gateway.call(partial(self.ledger.expire_leases, refresh=refresh))
+                # Where the view is asked off the loop, the sweeps' questions too: a
+                # slow view (dead row versions before a vacuum) never stops the loop.
+                reads = self._sweep_reads
+                awaiting = await reads.awaiting_approval() if reads is not None else None
+                await self._gateway.call(
+                    partial(self.ledger.expire_approvals, refresh=refresh, candidates=awaiting)
+                )
+                leased = (
+                    await reads.lease_expiry_candidates(self.ledger.clock())
+                    if reads is not None
+                    else None
+                )
+                await self._gateway.call(
+                    partial(self.ledger.expire_leases, refresh=refresh, candidates=leased)
+                )
                 if self.view_refresher is not None:
                     self.view_refresher.refresh_soon()
                 # Every open plan now and then: whatever the follower missed (a restart,
@@ -668,10 +683,15 @@ class LedgerService:
             refresh_soon=self.view_refresher.refresh_soon if self.view_refresher else None,
         )
         self.relay.start()
+        if view_thread:
+            # Where the view is refreshed off the loop, it is also asked off the loop.
+            self._sweep_reads = SweepReads(self.ledger)
         if self.options.redispatch_after is not None:
             catalog = self.ledger.checker.catalog
             self._redispatcher = Redispatcher(
-                self.ledger.projector.waiting_since_before,
+                self._sweep_reads.waiting_since_before
+                if self._sweep_reads is not None
+                else self.ledger.projector.waiting_since_before,
                 js,
                 after=self.options.redispatch_after,
                 previewed=lambda tool: bool(
@@ -708,6 +728,8 @@ class LedgerService:
                 await self.broker.connection.close()
         if self.gateway is not None:
             await self.gateway.stop()
+        if self._sweep_reads is not None:
+            self._sweep_reads.close()
         if self.view_refresher is not None:
             # Off the loop: it finishes its refresh, then seals the tail (it holds the
             # sealer; the ledger's own `seal_now` below then only catches the view up).

@@ -23,8 +23,9 @@ an attempt runs once.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 from nats.js import JetStreamContext
@@ -38,10 +39,12 @@ __all__ = ["Redispatcher", "WaitingSince"]
 
 _log = logging.getLogger(__name__)
 
-WaitingSince = Callable[[datetime], Sequence[tuple[str, str, str | None, int, str, str | None]]]
+Waiting = Sequence[tuple[str, str, str | None, int, str, str | None]]
+WaitingSince = Callable[[datetime], Waiting | Awaitable[Waiting]]
 """moment → the operations waiting for a work item and unchanged since before it: (ID,
 tool, tool version, attempts, state, traceparent). The operations view answers it
-(`OperationsProjector.waiting_since_before`)."""
+(`OperationsProjector.waiting_since_before`, or off the event loop
+`ledger.server.sweep_reads.SweepReads.waiting_since_before`)."""
 
 
 class Redispatcher:
@@ -72,7 +75,8 @@ class Redispatcher:
         lookup items, then preview items)."""
         now = self._clock()
         stranded: dict[str, list[tuple[str, str | None, int, str, str | None]]] = {}
-        waiting = self._waiting_since_before(now - self._after)
+        answer = self._waiting_since_before(now - self._after)
+        waiting = await answer if inspect.isawaitable(answer) else answer
         for operation_id, tool, version, attempts, state, traced in waiting:
             if state == "awaiting_approval" and (
                 not self._previewed(tool) or operation_id in self._previews_sent

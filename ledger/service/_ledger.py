@@ -64,6 +64,8 @@ class Ledger:
         sealer: Sealer | None = None,
         seal_grace: timedelta = DEFAULT_SEAL_GRACE,
     ) -> None:
+        self.clock = clock
+        """What this ledger takes for now (its commands and sweeps ask it)."""
         self.events = events
         self.db = db
         self.checker = checker

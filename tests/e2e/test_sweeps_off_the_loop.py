@@ -1,0 +1,152 @@
+"""On PostgreSQL the sweeps ask the operations view on a thread of their own
+(`ledger.server.sweep_reads`): a view that answers slowly (dead row versions piled up
+in its state index before a vacuum, or here a lock held on it) never stops the
+service's event loop, and the sweeps still expire what ran out, by the ledger's clock.
+
+Against a real nats-server and PostgreSQL: the attack holds an exclusive lock on the
+view table until the service has answered a proposal, so a service whose sweep waits
+on its loop cannot pass (it answers nothing while the lock is held)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from ledger import StorageConfig
+from ledger.client import AgentHostClient
+from ledger.nats import NatsServer, connect_as, declare_topology, generate_credentials
+from ledger.server.app import LedgerService, ServiceOptions
+from ledger.service import Ledger
+from policy import ContractRegistry
+from policy.catalog import CATALOG_DIR
+from schemas import inbox_prefix, ledger_operation_id
+from tests.ledger.helpers import ALICE, make_ledger, search, seen_waiting
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+SEARCH = "search_documents"
+
+
+def _unlimited() -> ContractRegistry:
+    """The sample catalog without budgets: a budget count reads the view on purpose,
+    and this test is about the sweeps alone."""
+    registry = ContractRegistry()
+    for contract in ContractRegistry.from_directory(CATALOG_DIR).pin_latest().values():
+        limits = contract.limits.model_copy(update={"max_per_hour": None, "max_per_minute": None})
+        registry.register(contract.model_copy(update={"limits": limits}))
+    return registry
+
+
+@dataclass
+class World:
+    """The running parties, and the ledger's clock to move."""
+
+    ledger: Ledger
+    host: AgentHostClient
+    now: list[datetime]
+
+
+@asynccontextmanager
+async def _world(tmp_path: Path, storage: StorageConfig) -> AsyncIterator[World]:
+    creds = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[SEARCH])
+    now = [datetime.now(UTC)]
+    ledger = make_ledger(storage, registry=_unlimited(), clock=lambda: now[0])
+    with NatsServer(tmp_path / "nats", authorization=creds.authorization_config) as server:
+
+        async def declare(js: Any) -> None:
+            await declare_topology(js, [SEARCH], ack_wait_s=10, max_deliver=5)
+
+        service = LedgerService(
+            ledger,
+            ServiceOptions(
+                nats_url=server.url,
+                connect_options={
+                    "nkeys_seed": str(creds.ledger.seed_path),
+                    "inbox_prefix": inbox_prefix("ledger", "ledger"),
+                },
+                declare=declare,
+                sweep_interval=timedelta(milliseconds=50),
+                redispatch_after=timedelta(seconds=1),
+            ),
+        )
+        await service.start()
+        host = AgentHostClient(await connect_as(server.url, creds.host("h1")), "h1")
+        try:
+            yield World(ledger, host, now)
+        finally:
+            await host.close()
+            await service.stop()
+            ledger.close()
+
+
+async def _until(check: Any, timeout_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time allowed"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_locked_view_never_stops_the_loop_and_leases_still_expire(
+    tmp_path: Path, postgres_storage: StorageConfig
+) -> None:
+    async with _world(tmp_path, postgres_storage) as world:
+        ledger = world.ledger
+        # A lease that runs out by the ledger's clock, not the wall's: the sweep must
+        # ask the view with the ledger's "now" and let the aggregate decide.
+        ledger.submit(search("op-leased"), ALICE)
+        ledger.lease("op-leased", executor="gone-1")
+        world.now[0] += timedelta(hours=1)
+        await _until(lambda: ledger.status("op-leased").state == "outcome_unknown")
+
+        dsn = postgres_storage.postgres_dsn or ""
+        schema = postgres_storage.postgres_schema
+        with psycopg.connect(dsn, autocommit=True) as watcher, psycopg.connect(dsn) as locker:
+            # The service shares this test's event loop: whatever blocks, blocks on a
+            # thread here, or the service could not run at all meanwhile.
+            locker.execute(f'SET search_path TO "{schema}"')
+            await asyncio.to_thread(
+                locker.execute, "LOCK TABLE opledger_operations IN ACCESS EXCLUSIVE MODE"
+            )
+            # A service whose sweep waits on its loop would never answer, nor let this
+            # test go on: after 15 s a watchdog lets go of the lock, and says so.
+            released_by_watchdog: list[bool] = []
+
+            def let_go() -> None:
+                released_by_watchdog.append(True)
+                locker.rollback()
+
+            watchdog = threading.Timer(15.0, let_go)
+            watchdog.start()
+            # The sweep's question (the awaiting approvals, newest first) is stuck
+            # behind the lock...
+            stuck = await asyncio.to_thread(
+                seen_waiting,
+                watcher,
+                "SELECT a.query FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE NOT l.granted AND a.query LIKE %s",
+                ("%FROM opledger_operations WHERE state = %ORDER BY created_at DESC%",),
+            )
+            assert stuck, "the sweep never asked the view"
+            # ...while the service answers a proposal, end to end over NATS.
+            reply = await asyncio.wait_for(
+                world.host.propose(search("op-meanwhile"), ALICE), timeout=30
+            )
+            watchdog.cancel()
+            watchdog.join()
+            assert not released_by_watchdog, "answered only once the view was free again"
+            assert reply.error is None and reply.state == "ready"
+            locker.rollback()  # the lock goes; the sweeps go on
+        # Proposed over NATS: the ledger knows it in the host's namespace.
+        meanwhile = ledger_operation_id("h1", "op-meanwhile")
+        ledger.lease(meanwhile, executor="gone-2")
+        world.now[0] += timedelta(hours=1)
+        await _until(lambda: ledger.status(meanwhile).state == "outcome_unknown")
