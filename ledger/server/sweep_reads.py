@@ -20,9 +20,10 @@ changes nothing.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from functools import partial
+from typing import TypeVar
 
 from ledger.adapters.sql import SqlDatabase
 from ledger.domain.states import OperationState
@@ -31,31 +32,66 @@ from ledger.service import Ledger
 
 __all__ = ["SweepReads"]
 
+T = TypeVar("T")
+
 
 class SweepReads:
-    """The view's sweep queries for `ledger`, answered on a worker thread."""
+    """The view's sweep queries for `ledger`, answered on a worker thread (one at a
+    time: the service's one sweep task asks them in turn)."""
 
     def __init__(self, ledger: Ledger) -> None:
-        self._db = SqlDatabase(ledger.db.storage)
-        self._view = OperationsProjector(self._db, ledger.projector.recorder, create=False)
+        self._storage = ledger.db.storage
+        self._recorder = ledger.projector.recorder
+        self._db = SqlDatabase(self._storage)
+        self._view = OperationsProjector(self._db, self._recorder, create=False)
+        self._asking = False
 
     async def awaiting_approval(self) -> list[OperationRow]:
         """The view's operations awaiting approval (`Sweeps.expire_approvals`' candidates),
         off the loop."""
-        return await asyncio.to_thread(
-            partial(self._view.rows, state=OperationState.AWAITING_APPROVAL.value)
+        return await self._ask(
+            lambda view: view.rows(state=OperationState.AWAITING_APPROVAL.value)
         )
 
     async def lease_expiry_candidates(self, now: datetime) -> list[str]:
         """`OperationsProjector.lease_expiry_candidates`, off the loop."""
-        return await asyncio.to_thread(self._view.lease_expiry_candidates, now)
+        return await self._ask(lambda view: view.lease_expiry_candidates(now))
 
     async def waiting_since_before(
         self, moment: datetime
     ) -> Sequence[tuple[str, str, str | None, int, str, str | None]]:
         """`OperationsProjector.waiting_since_before`, off the loop."""
-        return await asyncio.to_thread(self._view.waiting_since_before, moment)
+        return await self._ask(lambda view: view.waiting_since_before(moment))
+
+    async def _ask(self, question: Callable[[OperationsProjector], T]) -> T:
+        return await asyncio.to_thread(self._answer, question)
+
+    def _answer(self, question: Callable[[OperationsProjector], T]) -> T:
+        self._asking = True
+        try:
+            return question(self._view)
+        except Exception:
+            # The connection may be what failed (a restarted server; `SqlDatabase`
+            # does not reconnect): the next sweep asks over a new one. The sweep
+            # logs this failure and tries again at its next turn.
+            self._replace_connection()
+            raise
+        finally:
+            self._asking = False
+
+    def _replace_connection(self) -> None:
+        try:
+            db = SqlDatabase(self._storage)
+        except Exception:
+            return  # the database is down: the next sweep tries again
+        old, self._db = self._db, db
+        self._view = OperationsProjector(db, self._recorder, create=False)
+        with contextlib.suppress(Exception):
+            old.close()
 
     def close(self) -> None:
-        """Close the connection."""
-        self._db.close()
+        """Close the connection, unless a question is still waiting on it (a view
+        locked at stop): closing takes the connection's lock, which that question
+        holds, and the process's exit closes it anyway."""
+        if not self._asking:
+            self._db.close()

@@ -1,0 +1,53 @@
+"""`SweepReads`: the sweeps' questions to the operations view, on a connection of their
+own (PostgreSQL, where the service asks them off the loop). Each answers what the view
+on the ledger's own connection answers; a lost connection fails one sweep, and the
+next one asks over a new connection."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+import pytest
+
+from ledger import StorageConfig
+from ledger.server.sweep_reads import SweepReads
+from tests.ledger.helpers import ALICE, email, make_ledger, search
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_answers_are_the_views_and_a_lost_connection_is_replaced(
+    postgres_storage: StorageConfig,
+) -> None:
+    ledger = make_ledger(postgres_storage)
+    ledger.submit(search("op-leased"), ALICE)
+    grant = ledger.lease("op-leased", executor="e-1")
+    ledger.submit(search("op-ready"), ALICE)
+    ledger.submit(email("op-waiting"), ALICE)
+    ledger.refresh()
+    assert grant.lease_expires_at is not None
+    later = grant.lease_expires_at + timedelta(seconds=1)
+    reads = SweepReads(ledger)
+    try:
+        view = ledger.projector
+        assert await reads.lease_expiry_candidates(later) == ["op-leased"]
+        assert await reads.lease_expiry_candidates(later) == view.lease_expiry_candidates(later)
+        assert await reads.lease_expiry_candidates(grant.lease_expires_at - timedelta(1)) == []
+        waiting = await reads.waiting_since_before(later)
+        assert list(waiting) == view.waiting_since_before(later)
+        assert {row[0] for row in waiting} == {"op-ready", "op-waiting"}
+        assert [row.operation_id for row in await reads.awaiting_approval()] == ["op-waiting"]
+
+        # The server drops the sweeps' connection (a restart, a failover).
+        dsn = postgres_storage.postgres_dsn or ""
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(%s)", (reads._db._pg.info.backend_pid,)
+            )
+        with pytest.raises(psycopg.OperationalError):
+            await reads.lease_expiry_candidates(later)  # this sweep fails, and says so
+        assert await reads.lease_expiry_candidates(later) == ["op-leased"]  # the next asks anew
+    finally:
+        reads.close()
+        ledger.close()
