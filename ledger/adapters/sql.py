@@ -2,7 +2,9 @@
 
 The read models (operations view, digest chain, results) live in the same
 database as the events, so one backend choice covers everything. Statements
-are written with `?` placeholders and translated for psycopg.
+are written with `?` placeholders and translated for psycopg; the one exception
+is the text around the generated marks of `insert_rows` and `query_in`, which
+goes to PostgreSQL untranslated and so must hold no placeholder of its own.
 """
 
 from __future__ import annotations
@@ -240,6 +242,11 @@ class SqlDatabase:
                 cursor.execute(statement.format(marks=_numbered(1, len(part))), part)
                 rows.extend(tuple(row) for row in cursor.fetchall())
         return rows
+
+    def cancel(self) -> None:
+        """Cancel the statement this connection is running, from any thread, without
+        waiting for the connection's lock (PostgreSQL; the statement then fails)."""
+        self._pg.cancel_safe()
 
     def close(self) -> None:
         """Close the connection."""

@@ -16,9 +16,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from faststream.nats import NatsBroker
 from faststream.nats.security import NatsNKey
@@ -73,6 +73,9 @@ from schemas import (
 )
 
 __all__ = ["LedgerService", "ServiceOptions", "build_relay", "relay_ports"]
+
+# How long a sweep waits for a question asked off the loop before it asks on the loop.
+_SWEEP_QUESTION_TIMEOUT_S = 10.0
 
 _log = logging.getLogger(__name__)
 
@@ -608,6 +611,39 @@ class LedgerService:
 
     # ------------------------------------------------------------------- sweeps
 
+    async def _off_the_loop(self, reads: SweepReads | None, question: str, *args: Any) -> Any:
+        """The answer of one of `reads`' questions; None if there is no `reads` or the
+        question failed (the sweep then asks the view on the loop, whose connection is
+        another); [] if it took longer than a sweep may wait (a view that slow would stop
+        the loop: this sweep skips the question, says so, and the next asks again, over
+        a new connection since this question is cancelled)."""
+        if reads is None:
+            return None
+        try:
+            return await asyncio.wait_for(
+                getattr(reads, question)(*args), _SWEEP_QUESTION_TIMEOUT_S
+            )
+        except TimeoutError:
+            reads.cancel()
+            _log.warning(
+                "sweep: the view did not answer %s within %.0f s; asking again next sweep",
+                question, _SWEEP_QUESTION_TIMEOUT_S,
+            )
+            return []
+        except Exception as exc:
+            log_failure(_log, f"sweep: asking the view off the loop ({question}) failed", exc)
+            return None
+
+    async def _waiting_since_before(
+        self, moment: datetime
+    ) -> Sequence[tuple[str, str, str | None, int, str, str | None]]:
+        """The redispatcher's question, off the loop where that is possible (see
+        `_off_the_loop`)."""
+        answer = await self._off_the_loop(self._sweep_reads, "waiting_since_before", moment)
+        if answer is None:
+            return self.ledger.projector.waiting_since_before(moment)
+        return cast(Sequence[tuple[str, str, str | None, int, str, str | None]], answer)
+
     async def _sweep(self) -> None:
         interval = self.options.sweep_interval.total_seconds()
         while True:
@@ -620,15 +656,15 @@ class LedgerService:
                 refresh = self.view_refresher is None or not self.view_refresher.healthy
                 # Where the view is asked off the loop, the sweeps' questions too: a
                 # slow view (dead row versions before a vacuum) never stops the loop.
-                reads = self._sweep_reads
-                awaiting = await reads.awaiting_approval() if reads is not None else None
+                # Not while the loop refreshes the view itself (the thread failing):
+                # the questions must follow that refresh.
+                reads = None if refresh else self._sweep_reads
+                awaiting = await self._off_the_loop(reads, "awaiting_approval")
                 await self._gateway.call(
                     partial(self.ledger.expire_approvals, refresh=refresh, candidates=awaiting)
                 )
-                leased = (
-                    await reads.lease_expiry_candidates(self.ledger.clock())
-                    if reads is not None
-                    else None
+                leased = await self._off_the_loop(
+                    reads, "lease_expiry_candidates", self.ledger.clock()
                 )
                 await self._gateway.call(
                     partial(self.ledger.expire_leases, refresh=refresh, candidates=leased)
@@ -674,6 +710,8 @@ class LedgerService:
         if view_thread:
             self.view_refresher = ViewRefresher(self.ledger)
             self.view_refresher.start()
+            # Where the view is refreshed off the loop, it is also asked off the loop.
+            self._sweep_reads = SweepReads(self.ledger)
         # The follower learns the open plans when this instance starts relaying (now,
         # or when it takes over from another), then from every event the relay reads.
         self.relay = build_relay(
@@ -683,13 +721,10 @@ class LedgerService:
             refresh_soon=self.view_refresher.refresh_soon if self.view_refresher else None,
         )
         self.relay.start()
-        if view_thread:
-            # Where the view is refreshed off the loop, it is also asked off the loop.
-            self._sweep_reads = SweepReads(self.ledger)
         if self.options.redispatch_after is not None:
             catalog = self.ledger.checker.catalog
             self._redispatcher = Redispatcher(
-                self._sweep_reads.waiting_since_before
+                self._waiting_since_before
                 if self._sweep_reads is not None
                 else self.ledger.projector.waiting_since_before,
                 js,

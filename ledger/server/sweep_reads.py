@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TypeVar
@@ -37,14 +38,19 @@ T = TypeVar("T")
 
 class SweepReads:
     """The view's sweep queries for `ledger`, answered on a worker thread (one at a
-    time: the service's one sweep task asks them in turn)."""
+    time: the service's one sweep task asks them in turn) over a read-only connection
+    of its own."""
 
     def __init__(self, ledger: Ledger) -> None:
-        self._storage = ledger.db.storage
+        # Read-only: it only asks, and opening it creates nothing (no schema, no lock).
+        self._storage = ledger.db.storage.reading()
         self._recorder = ledger.projector.recorder
         self._db = SqlDatabase(self._storage)
         self._view = OperationsProjector(self._db, self._recorder, create=False)
+        # Guards the connection's lifecycle between the worker thread and `close`.
+        self._guard = threading.Lock()
         self._asking = False
+        self._closed = False
 
     async def awaiting_approval(self) -> list[OperationRow]:
         """The view's operations awaiting approval (`Sweeps.expire_approvals`' candidates),
@@ -67,19 +73,30 @@ class SweepReads:
         return await asyncio.to_thread(self._answer, question)
 
     def _answer(self, question: Callable[[OperationsProjector], T]) -> T:
-        self._asking = True
+        with self._guard:
+            if self._closed:
+                raise RuntimeError("the sweeps' view connection is closed")
+            self._asking = True
         try:
             return question(self._view)
         except Exception:
             # The connection may be what failed (a restarted server; `SqlDatabase`
             # does not reconnect): the next sweep asks over a new one. The sweep
-            # logs this failure and tries again at its next turn.
+            # logs this failure and asks on the loop this time.
             self._replace_connection()
             raise
         finally:
-            self._asking = False
+            with self._guard:
+                self._asking = False
+                closed_meanwhile = self._closed
+            if closed_meanwhile:
+                with contextlib.suppress(Exception):
+                    self._db.close()
 
     def _replace_connection(self) -> None:
+        with self._guard:
+            if self._closed:
+                return  # `_answer` closes what is left
         try:
             db = SqlDatabase(self._storage)
         except Exception:
@@ -89,9 +106,23 @@ class SweepReads:
         with contextlib.suppress(Exception):
             old.close()
 
+    def cancel(self) -> None:
+        """Cancel the question under way, if any (a sweep that gave up waiting for it):
+        it fails, and the next question asks over a new connection."""
+        with self._guard:
+            asking, db = self._asking, self._db
+        if asking and db.is_postgres:
+            with contextlib.suppress(Exception):
+                db.cancel()
+
     def close(self) -> None:
-        """Close the connection, unless a question is still waiting on it (a view
-        locked at stop): closing takes the connection's lock, which that question
-        holds, and the process's exit closes it anyway."""
-        if not self._asking:
-            self._db.close()
+        """Close the connection. A question still waiting on it (a view locked at stop)
+        is cancelled first, so that neither this call nor the process's exit waits for
+        it; the worker thread then closes the connection itself."""
+        with self._guard:
+            self._closed = True
+            asking = self._asking
+        if asking:
+            self.cancel()
+            return
+        self._db.close()

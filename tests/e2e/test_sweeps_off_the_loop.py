@@ -126,22 +126,24 @@ async def test_a_locked_view_never_stops_the_loop_and_leases_still_expire(
 
             watchdog = threading.Timer(15.0, let_go)
             watchdog.start()
-            # The sweep's question (the awaiting approvals, newest first) is stuck
-            # behind the lock...
-            stuck = await asyncio.to_thread(
-                seen_waiting,
-                watcher,
-                "SELECT a.query FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE NOT l.granted AND a.query LIKE %s",
-                ("%FROM opledger_operations WHERE state = %ORDER BY created_at DESC%",),
-            )
-            assert stuck, "the sweep never asked the view"
-            # ...while the service answers a proposal, end to end over NATS.
-            reply = await asyncio.wait_for(
-                world.host.propose(search("op-meanwhile"), ALICE), timeout=30
-            )
-            watchdog.cancel()
-            watchdog.join()
+            try:
+                # The sweep's question (the awaiting approvals, newest first) is stuck
+                # behind the lock...
+                stuck = await asyncio.to_thread(
+                    seen_waiting,
+                    watcher,
+                    "SELECT a.query FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                    " WHERE NOT l.granted AND a.query LIKE %s",
+                    ("%FROM opledger_operations WHERE state = %ORDER BY created_at DESC%",),
+                )
+                assert stuck, "the sweep never asked the view"
+                # ...while the service answers a proposal, end to end over NATS.
+                reply = await asyncio.wait_for(
+                    world.host.propose(search("op-meanwhile"), ALICE), timeout=30
+                )
+            finally:
+                watchdog.cancel()
+                watchdog.join()
             assert not released_by_watchdog, "answered only once the view was free again"
             assert reply.error is None and reply.state == "ready"
             locker.rollback()  # the lock goes; the sweeps go on

@@ -5,6 +5,7 @@ next one asks over a new connection."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import psycopg
@@ -12,7 +13,7 @@ import pytest
 
 from ledger import StorageConfig
 from ledger.server.sweep_reads import SweepReads
-from tests.ledger.helpers import ALICE, email, make_ledger, search
+from tests.ledger.helpers import ALICE, email, make_ledger, search, seen_waiting
 
 pytestmark = pytest.mark.anyio
 
@@ -42,8 +43,9 @@ async def test_the_answers_are_the_views_and_a_lost_connection_is_replaced(
         # The server drops the sweeps' connection (a restart, a failover).
         dsn = postgres_storage.postgres_dsn or ""
         with psycopg.connect(dsn, autocommit=True) as admin:
+            # With a timeout, it returns once the backend is gone.
             admin.execute(
-                "SELECT pg_terminate_backend(%s)", (reads._db._pg.info.backend_pid,)
+                "SELECT pg_terminate_backend(%s, 5000)", (reads._db._pg.info.backend_pid,)
             )
         with pytest.raises(psycopg.OperationalError):
             await reads.lease_expiry_candidates(later)  # this sweep fails, and says so
@@ -51,3 +53,34 @@ async def test_the_answers_are_the_views_and_a_lost_connection_is_replaced(
     finally:
         reads.close()
         ledger.close()
+
+
+async def test_closing_while_a_question_waits_cancels_it_and_opens_nothing_new(
+    postgres_storage: StorageConfig,
+) -> None:
+    """A sweep stuck on a locked view at stop: `close` cancels the question instead of
+    waiting for it (nor would the process's exit wait), and the failed question does
+    not open a replacement connection after the close."""
+    ledger = make_ledger(postgres_storage)
+    ledger.submit(email("op-waiting"), ALICE)
+    ledger.refresh()
+    reads = SweepReads(ledger)
+    dsn = postgres_storage.postgres_dsn or ""
+    with psycopg.connect(dsn, autocommit=True) as watcher, psycopg.connect(dsn) as locker:
+        locker.execute(f'SET search_path TO "{postgres_storage.postgres_schema}"')
+        locker.execute("LOCK TABLE opledger_operations IN ACCESS EXCLUSIVE MODE")
+        question = asyncio.ensure_future(reads.awaiting_approval())
+        pid = reads._db._pg.info.backend_pid
+        waiting = await asyncio.to_thread(
+            seen_waiting, watcher, "SELECT pid FROM pg_locks WHERE NOT granted AND pid = %s",
+            (pid,),
+        )
+        assert waiting, "the question never waited on the lock"
+        reads.close()  # returns at once: it only cancels
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            await asyncio.wait_for(question, timeout=10)
+        assert reads._db is not None and reads._db._pg.closed  # closed by the worker
+        with pytest.raises(RuntimeError, match="closed"):
+            await reads.awaiting_approval()
+        locker.rollback()
+    ledger.close()
