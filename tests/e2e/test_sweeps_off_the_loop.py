@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from ledger.service import Ledger
 from policy import ContractRegistry
 from policy.catalog import CATALOG_DIR
 from schemas import inbox_prefix, ledger_operation_id
-from tests.ledger.helpers import ALICE, make_ledger, search, seen_waiting
+from tests.ledger.helpers import ALICE, make_ledger, search
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
@@ -53,6 +54,7 @@ class World:
     ledger: Ledger
     host: AgentHostClient
     now: list[datetime]
+    service: LedgerService
 
 
 @asynccontextmanager
@@ -81,11 +83,25 @@ async def _world(tmp_path: Path, storage: StorageConfig) -> AsyncIterator[World]
         await service.start()
         host = AgentHostClient(await connect_as(server.url, creds.host("h1")), "h1")
         try:
-            yield World(ledger, host, now)
+            yield World(ledger, host, now, service)
         finally:
             await host.close()
             await service.stop()
             ledger.close()
+
+
+def _sweep_waiting(service: LedgerService, watcher: psycopg.Connection[Any]) -> bool:
+    """Whether the sweeps' connection waits for a lock, polled for up to 10 s."""
+    for _ in range(200):
+        reads = service._sweep_reads
+        assert reads is not None, "no sweeps off the loop on PostgreSQL"
+        pid = reads._db._pg.info.backend_pid
+        if watcher.execute(
+            "SELECT 1 FROM pg_locks WHERE NOT granted AND pid = %s", (pid,)
+        ).fetchall():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 async def _until(check: Any, timeout_s: float = 20.0) -> None:
@@ -127,15 +143,10 @@ async def test_a_locked_view_never_stops_the_loop_and_leases_still_expire(
             watchdog = threading.Timer(15.0, let_go)
             watchdog.start()
             try:
-                # The sweep's question (the awaiting approvals, newest first) is stuck
-                # behind the lock...
-                stuck = await asyncio.to_thread(
-                    seen_waiting,
-                    watcher,
-                    "SELECT a.query FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-                    " WHERE NOT l.granted AND a.query LIKE %s",
-                    ("%FROM opledger_operations WHERE state = %ORDER BY created_at DESC%",),
-                )
+                # One of the sweep's questions is stuck behind the lock, on the sweeps'
+                # own connection (whichever it is now: a question that waits too long is
+                # cancelled and the next one asks over a new connection)...
+                stuck = await asyncio.to_thread(_sweep_waiting, world.service, watcher)
                 assert stuck, "the sweep never asked the view"
                 # ...while the service answers a proposal, end to end over NATS.
                 reply = await asyncio.wait_for(
