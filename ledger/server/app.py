@@ -637,8 +637,8 @@ class LedgerService:
     async def _waiting_since_before(
         self, moment: datetime
     ) -> Sequence[tuple[str, str, str | None, int, str, str | None]]:
-        """The redispatcher's question, off the loop where that is possible (see
-        `_off_the_loop`)."""
+        """The redispatcher's question: off the loop where the service asks the view
+        there, on the loop otherwise or if that failed (see `_off_the_loop`)."""
         answer = await self._off_the_loop(self._sweep_reads, "waiting_since_before", moment)
         if answer is None:
             return self.ledger.projector.waiting_since_before(moment)
@@ -724,9 +724,7 @@ class LedgerService:
         if self.options.redispatch_after is not None:
             catalog = self.ledger.checker.catalog
             self._redispatcher = Redispatcher(
-                self._waiting_since_before
-                if self._sweep_reads is not None
-                else self.ledger.projector.waiting_since_before,
+                self._waiting_since_before,
                 js,
                 after=self.options.redispatch_after,
                 previewed=lambda tool: bool(

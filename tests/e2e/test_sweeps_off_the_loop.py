@@ -24,27 +24,21 @@ import pytest
 
 from ledger import StorageConfig
 from ledger.client import AgentHostClient
-from ledger.nats import NatsServer, connect_as, declare_topology, generate_credentials
+from ledger.nats import (
+    NatsServer,
+    connect_as,
+    connect_options,
+    declare_topology,
+    generate_credentials,
+)
 from ledger.server.app import LedgerService, ServiceOptions
 from ledger.service import Ledger
-from policy import ContractRegistry
-from policy.catalog import CATALOG_DIR
-from schemas import inbox_prefix, ledger_operation_id
-from tests.ledger.helpers import ALICE, make_ledger, search
+from schemas import ledger_operation_id
+from tests.ledger.helpers import ALICE, make_ledger, registry_with_limit, search
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
 SEARCH = "search_documents"
-
-
-def _unlimited() -> ContractRegistry:
-    """The sample catalog without budgets: a budget count reads the view on purpose,
-    and this test is about the sweeps alone."""
-    registry = ContractRegistry()
-    for contract in ContractRegistry.from_directory(CATALOG_DIR).pin_latest().values():
-        limits = contract.limits.model_copy(update={"max_per_hour": None, "max_per_minute": None})
-        registry.register(contract.model_copy(update={"limits": limits}))
-    return registry
 
 
 @dataclass
@@ -61,7 +55,11 @@ class World:
 async def _world(tmp_path: Path, storage: StorageConfig) -> AsyncIterator[World]:
     creds = generate_credentials(tmp_path / "creds", hosts=["h1"], tools=[SEARCH])
     now = [datetime.now(UTC)]
-    ledger = make_ledger(storage, registry=_unlimited(), clock=lambda: now[0])
+    ledger = make_ledger(
+        # No budget: a budget count reads the view on purpose, and this test is about
+        # the sweeps alone.
+        storage, registry=registry_with_limit(None), clock=lambda: now[0]
+    )
     with NatsServer(tmp_path / "nats", authorization=creds.authorization_config) as server:
 
         async def declare(js: Any) -> None:
@@ -71,10 +69,7 @@ async def _world(tmp_path: Path, storage: StorageConfig) -> AsyncIterator[World]
             ledger,
             ServiceOptions(
                 nats_url=server.url,
-                connect_options={
-                    "nkeys_seed": str(creds.ledger.seed_path),
-                    "inbox_prefix": inbox_prefix("ledger", "ledger"),
-                },
+                connect_options=connect_options(creds.ledger),
                 declare=declare,
                 sweep_interval=timedelta(milliseconds=50),
                 redispatch_after=timedelta(seconds=1),

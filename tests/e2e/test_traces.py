@@ -34,6 +34,7 @@ from ledger.nats import (
     CredentialSet,
     NatsServer,
     connect_as,
+    connect_options,
     declare_topology,
     generate_credentials,
 )
@@ -48,7 +49,6 @@ from schemas import (
     Subjects,
     ToolProposal,
     WorkItem,
-    inbox_prefix,
 )
 from tests.previews import await_preview
 
@@ -90,10 +90,7 @@ async def _world(tmp_path: Path) -> AsyncIterator[World]:
             ledger,
             ServiceOptions(
                 nats_url=server.url,
-                connect_options={
-                    "nkeys_seed": str(creds.ledger.seed_path),
-                    "inbox_prefix": inbox_prefix("ledger", "ledger"),
-                },
+                connect_options=connect_options(creds.ledger),
                 declare=declare,
                 approver_roles={"lead": frozenset({"support_lead"})},
                 redispatch_after=None,
