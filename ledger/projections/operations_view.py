@@ -24,7 +24,7 @@ best of 5), and the view is brought up to date every 20 ms while events flow.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from eventsourcing.persistence import ApplicationRecorder, Notification
@@ -362,6 +362,22 @@ class OperationsProjector:
         )
         return str(rows[0][0]) if rows and rows[0][0] else None
 
+    def approval_expiry_candidates(self, now: datetime) -> list[str]:
+        """Operations awaiting approval whose request ran out by `now`, oldest request
+        first, however many wait (a sweep must see the oldest: they are the ones due)."""
+        rows = self._db.query(
+            "SELECT operation_id, approval_expires_at FROM opledger_operations"
+            " WHERE state = 'awaiting_approval' AND approval_expires_at IS NOT NULL",
+        )
+        # Compared here, not in SQL: the column holds the event's own text of the
+        # expiry, whose offset spelling need not match `_iso`'s.
+        due = [
+            (expires, str(operation_id))
+            for operation_id, text in rows
+            if (expires := _expiry(str(text))) <= now
+        ]
+        return [operation_id for _, operation_id in sorted(due)]
+
     def lease_expiry_candidates(self, now: datetime) -> list[str]:
         """Leased operations (executing, or asked to cancel while running) whose lease ran
         out by `now` (or whose expiry the view lacks)."""
@@ -418,3 +434,13 @@ class OperationsProjector:
         """The seal's digest chain (`ledger.audit.seal.digest_rows`), kept here for its
         callers: (notification ID, operation, version, event hash, digest)."""
         return digest_rows(self._db)
+
+
+def _expiry(text: str) -> datetime:
+    # A text that is no timestamp names the operation anyway (the oldest of all):
+    # its own aggregate decides, as for a lease whose expiry the view lacks.
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return datetime.min.replace(tzinfo=UTC)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)

@@ -659,7 +659,9 @@ class LedgerService:
                 # Not while the loop refreshes the view itself (the thread failing):
                 # the questions must follow that refresh.
                 reads = None if refresh else self._sweep_reads
-                awaiting = await self._off_the_loop(reads, "awaiting_approval")
+                awaiting = await self._off_the_loop(
+                    reads, "approval_expiry_candidates", self.ledger.clock()
+                )
                 await self._gateway.call(
                     partial(self.ledger.expire_approvals, refresh=refresh, candidates=awaiting)
                 )

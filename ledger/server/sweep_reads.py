@@ -27,8 +27,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from ledger.adapters.sql import SqlDatabase
-from ledger.domain.states import OperationState
-from ledger.projections.operations_view import OperationRow, OperationsProjector
+from ledger.projections.operations_view import OperationsProjector
 from ledger.service import Ledger
 
 __all__ = ["SweepReads"]
@@ -52,12 +51,9 @@ class SweepReads:
         self._asking = False
         self._closed = False
 
-    async def awaiting_approval(self) -> list[OperationRow]:
-        """The view's operations awaiting approval (`Sweeps.expire_approvals`' candidates),
-        off the loop."""
-        return await self._ask(
-            lambda view: view.rows(state=OperationState.AWAITING_APPROVAL.value)
-        )
+    async def approval_expiry_candidates(self, now: datetime) -> list[str]:
+        """`OperationsProjector.approval_expiry_candidates`, off the loop."""
+        return await self._ask(lambda view: view.approval_expiry_candidates(now))
 
     async def lease_expiry_candidates(self, now: datetime) -> list[str]:
         """`OperationsProjector.lease_expiry_candidates`, off the loop."""

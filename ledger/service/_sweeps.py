@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
-from ledger.domain.states import OperationState
-from ledger.projections.operations_view import OperationRow, OperationsProjector
+from ledger.domain.errors import LedgerError
+from ledger.domain.operation import ALLOWED, Operation
+from ledger.projections.operations_view import OperationsProjector
 from ledger.service._runner import CommandRunner
 
 __all__ = ["Sweeps"]
+
+_log = logging.getLogger(__name__)
 
 
 class Sweeps:
@@ -29,23 +33,24 @@ class Sweeps:
         self._refresh = refresh
 
     def expire_approvals(
-        self, *, refresh: bool = True, candidates: Sequence[OperationRow] | None = None
+        self, *, refresh: bool = True, candidates: Sequence[str] | None = None
     ) -> list[str]:
         """Expire every approval request whose time has passed (`refresh`: bring the
         view up to date first; a service whose view thread keeps it close says no,
         and what the view does not show yet is expired by the next sweep;
-        `candidates`: the view's awaiting rows, asked by the caller elsewhere, as for
-        `expire_leases`)."""
+        `candidates`: the view's answer to `approval_expiry_candidates`, asked by the
+        caller elsewhere, as for `expire_leases`)."""
         if refresh:
             self._refresh()
         now = self._clock()
         expired = []
         if candidates is None:
-            candidates = self._view.rows(state=OperationState.AWAITING_APPROVAL.value)
-        for row in candidates:
-            if row.approval_expires_at and datetime.fromisoformat(row.approval_expires_at) <= now:
-                self._runner.update(row.operation_id, lambda op: op.expire_approval(now))
-                expired.append(row.operation_id)
+            candidates = self._view.approval_expiry_candidates(now)
+        for operation_id in candidates:
+            # The view's row may be a moment old: the call may have been approved,
+            # denied or cancelled since. Its own state decides, again on every retry.
+            if self._expire(operation_id, lambda op: _expire_approval(op, now)):
+                expired.append(operation_id)
         return expired
 
     def expire_leases(
@@ -64,8 +69,34 @@ class Sweeps:
         if candidates is None:
             candidates = self._view.lease_expiry_candidates(now)
         for operation_id in candidates:
-            operation = self._runner.get(operation_id)
-            if operation.lease is not None and operation.lease.expires_at <= now:
-                self._runner.update(operation_id, lambda op: op.expire_lease(now))
+            # As for approvals: a result may have come since the view's answer.
+            if self._expire(operation_id, lambda op: _expire_lease(op, now)):
                 expired.append(operation_id)
         return expired
+
+    def _expire(self, operation_id: str, command: Callable[[Operation], bool]) -> bool:
+        # One operation the ledger cannot load or save (gone, or its append failing
+        # again and again) must not keep every later one from expiring: say so, go on.
+        try:
+            return self._runner.update(operation_id, command)
+        except LedgerError as exc:
+            _log.warning("sweep: %s not expired: %s", operation_id, exc)
+            return False
+
+
+def _expire_approval(operation: Operation, now: datetime) -> bool:
+    if operation.state not in ALLOWED["expire_approval"] or operation.approval is None:
+        return False
+    if now < operation.approval.expires_at:
+        return False
+    operation.expire_approval(now)
+    return True
+
+
+def _expire_lease(operation: Operation, now: datetime) -> bool:
+    if operation.state not in ALLOWED["expire_lease"] or operation.lease is None:
+        return False
+    if now < operation.lease.expires_at:
+        return False
+    operation.expire_lease(now)
+    return True

@@ -116,13 +116,15 @@ def event_types(ledger: Ledger, operation_id: str) -> list[str]:
     return [type(event).__name__ for event in ledger.history(operation_id)]
 
 
-def registry_with_limit(max_per_hour: int | None) -> ContractRegistry:
-    """The sample catalog, with search_documents limited only per hour (None: unlimited)."""
+def registry_with_limit(
+    max_per_hour: int | None, *, tool: str = "search_documents"
+) -> ContractRegistry:
+    """The sample catalog, with `tool` limited only per hour (None: unlimited)."""
     from policy.catalog import CATALOG_DIR
 
     registry = ContractRegistry()
     for contract in ContractRegistry.from_directory(CATALOG_DIR).pin_latest().values():
-        if contract.name == "search_documents":
+        if contract.name == tool:
             contract = contract.model_copy(
                 update={"limits": contract.limits.model_copy(
                     update={"max_per_hour": max_per_hour, "max_per_minute": None}

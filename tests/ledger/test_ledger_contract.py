@@ -308,6 +308,56 @@ def test_expired_approvals_are_swept(storage: StorageConfig) -> None:
     assert ledger.get("mail-1").state is S.APPROVAL_EXPIRED
 
 
+def test_the_oldest_due_approval_expires_however_many_wait_behind_it(
+    storage: StorageConfig,
+) -> None:
+    # The sweep once read only the newest 1,000 waiting rows: with more pending, the
+    # oldest requests (the ones due) were never looked at and never expired.
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    unlimited = registry_with_limit(None, tool="send_customer_email")
+    ledger = make_ledger(storage, clock=lambda: now[0], registry=unlimited)
+    ledger.submit(email("mail-oldest"), ALICE)
+    now[0] += timedelta(minutes=10)
+    for n in range(1000):
+        assert ledger.submit(email(f"mail-{n:04}"), ALICE).state is S.AWAITING_APPROVAL
+    now[0] += timedelta(minutes=6)  # past the oldest request's 15 minutes only
+    ledger.refresh()
+    assert ledger.projector.approval_expiry_candidates(now[0]) == ["mail-oldest"]
+    assert ledger.expire_approvals() == ["mail-oldest"]
+    assert ledger.get("mail-oldest").state is S.APPROVAL_EXPIRED
+    assert ledger.get("mail-0000").state is S.AWAITING_APPROVAL
+
+
+def test_a_sweep_skips_what_changed_since_the_view_named_it(storage: StorageConfig) -> None:
+    # The view's answer may be a moment old (asked off the loop, or by another
+    # instance): a call cancelled or finished since is left alone, and the rest of
+    # the sweep goes on.
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    for operation_id in ("mail-cancelled", "mail-due"):
+        ledger.submit(email(operation_id), ALICE)
+    for operation_id in ("op-finished", "op-due"):
+        ledger.submit(search(operation_id), ALICE)
+        ledger.lease(operation_id, executor="exec-1")
+    now[0] += timedelta(minutes=16)
+    ledger.refresh()
+    approvals = ledger.projector.approval_expiry_candidates(now[0])
+    leases = ledger.projector.lease_expiry_candidates(now[0])
+    assert (approvals, sorted(leases)) == (
+        ["mail-cancelled", "mail-due"], ["op-due", "op-finished"]
+    )
+    ledger.cancel("mail-cancelled", by="alice")
+    finished = ledger.get("op-finished").fencing_token
+    ledger.record_result(result("op-finished", finished, data=NO_HITS))
+    assert ledger.expire_approvals(candidates=approvals) == ["mail-due"]
+    # An operation the ledger does not hold (a view row outliving its events) is
+    # named in the log and skipped, not the end of the sweep either.
+    assert ledger.expire_leases(candidates=["op-nowhere", *sorted(leases)]) == ["op-due"]
+    assert ledger.get("mail-cancelled").state is S.CANCELLED
+    assert ledger.get("op-finished").state is S.SUCCEEDED
+    assert ledger.get("op-due").state is S.OUTCOME_UNKNOWN
+
+
 def test_expired_leases_are_swept_and_only_they(storage: StorageConfig) -> None:
     now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
     ledger = make_ledger(storage, clock=lambda: now[0])

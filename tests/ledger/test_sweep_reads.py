@@ -38,7 +38,10 @@ async def test_the_answers_are_the_views_and_a_lost_connection_is_replaced(
         waiting = await reads.waiting_since_before(later)
         assert list(waiting) == view.waiting_since_before(later)
         assert {row[0] for row in waiting} == {"op-ready", "op-waiting"}
-        assert [row.operation_id for row in await reads.awaiting_approval()] == ["op-waiting"]
+        due = ledger.clock() + timedelta(hours=1)
+        assert await reads.approval_expiry_candidates(due) == ["op-waiting"]
+        assert await reads.approval_expiry_candidates(due) == view.approval_expiry_candidates(due)
+        assert await reads.approval_expiry_candidates(ledger.clock()) == []
 
         # The server drops the sweeps' connection (a restart, a failover).
         dsn = postgres_storage.postgres_dsn or ""
@@ -69,7 +72,7 @@ async def test_closing_while_a_question_waits_cancels_it_and_opens_nothing_new(
     with psycopg.connect(dsn, autocommit=True) as watcher, psycopg.connect(dsn) as locker:
         locker.execute(f'SET search_path TO "{postgres_storage.postgres_schema}"')
         locker.execute("LOCK TABLE opledger_operations IN ACCESS EXCLUSIVE MODE")
-        question = asyncio.ensure_future(reads.awaiting_approval())
+        question = asyncio.ensure_future(reads.approval_expiry_candidates(ledger.clock()))
         pid = reads._db._pg.info.backend_pid
         waiting = await asyncio.to_thread(
             seen_waiting, watcher, "SELECT pid FROM pg_locks WHERE NOT granted AND pid = %s",
@@ -81,6 +84,6 @@ async def test_closing_while_a_question_waits_cancels_it_and_opens_nothing_new(
             await asyncio.wait_for(question, timeout=10)
         assert reads._db is not None and reads._db._pg.closed  # closed by the worker
         with pytest.raises(RuntimeError, match="closed"):
-            await reads.awaiting_approval()
+            await reads.approval_expiry_candidates(ledger.clock())
         locker.rollback()
     ledger.close()
