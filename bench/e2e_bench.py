@@ -50,7 +50,12 @@ PostgreSQL with the ratio of their best throughputs.
         [--duration 10] [--executors 1,2] [--batch 1,16] [--host-modes watch,sdk] \\
         [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
         [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses] \\
-        [--storage sqlite,postgres] [--prefill 0,1000000] [--peer dbos]
+        [--storage sqlite,postgres] [--prefill 0,1000000] [--budget 0,100000000] \\
+        [--peer dbos]
+
+`--budget N` gives the no-op a budget of N calls per hour (all the bench's calls
+are one caller's), so every proposal is counted against it as a production
+tool's would be; 0 is none. A list runs each.
 
 `--prefill N` is the scale run: before the service starts, N events of finished
 no-op operations are stored through the ledger's own batched path and sealed
@@ -325,13 +330,18 @@ def _stop(process: subprocess.Popen[bytes], name: str, timeout_s: float = 15.0) 
         print(f"!! {name} had exited early with {process.returncode}", file=sys.stderr)
 
 
-def _contracts_dir(home: Path) -> Path:
-    """The sample catalog plus `noop.yaml`, as an operator's contract directory."""
+def _contracts_dir(home: Path, budget: int = 0) -> Path:
+    """The sample catalog plus `noop.yaml` (with `budget` calls per hour, if any), as an
+    operator's contract directory."""
     directory = home / "contracts"
     directory.mkdir()
     for contract in sorted(CATALOG_DIR.glob("*.yaml")):
         shutil.copy(contract, directory / contract.name)
-    shutil.copy(NOOP_CONTRACT, directory / NOOP_CONTRACT.name)
+    text = NOOP_CONTRACT.read_text()
+    if budget:
+        text = text.replace("\ntargets: []", f"\nlimits:\n  max_per_hour: {budget}\n\ntargets: []")
+        assert f"max_per_hour: {budget}" in text, "noop.yaml no longer has `targets: []`"
+    (directory / NOOP_CONTRACT.name).write_text(text)
     return directory
 
 
@@ -373,6 +383,8 @@ class Settings:
     $OPLEDGER_TEST_POSTGRES_DSN, the DSN the tests use, dropped afterwards)."""
     prefill: int = 0
     """Events stored before the service starts (the scale run), 0 for an empty ledger."""
+    budget: int = 0
+    """The no-op's budget, calls per hour (0: none)."""
 
     @property
     def label(self) -> str:
@@ -384,6 +396,8 @@ class Settings:
             label += f" executor-patches={','.join(self.executor_patches)}"
         if self.prefill:
             label += f" prefill={self.prefill:,}"
+        if self.budget:
+            label += f" budget={self.budget:,}/h"
         return label
 
 
@@ -401,7 +415,7 @@ class Stack:
         self.server: NatsServer | None = None
         self.credentials: CredentialSet | None = None
         self.bench_seed = home / "bench-raw.nk"
-        self.contracts = _contracts_dir(home)
+        self.contracts = _contracts_dir(home, settings.budget)
         self.service: subprocess.Popen[bytes] | None = None
         self.executors: list[subprocess.Popen[bytes]] = []
         self.prefill_report: str | None = None
@@ -1171,6 +1185,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="events stored before the service starts, a list: e.g."
                         " 0,1000000 runs each storage on an empty ledger and on one of 1 M"
                         " events (the scale run; `audit verify` is timed after it)")
+    parser.add_argument("--budget", type=_ints, default=[0],
+                        help="the no-op's budget in calls per hour, a list: e.g. 0,100000000"
+                        " runs each without and with one (0: none)")
     parser.add_argument("--storage", type=lambda s: [m for m in s.split(",") if m],
                         default=["sqlite"],
                         help="sqlite and/or postgres (a fresh schema at"
@@ -1180,11 +1197,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _main(args: argparse.Namespace, root: Path) -> None:
     reports = []
-    for storage, prefill, executors, batch in itertools.product(
-        args.storage, args.prefill, args.executors, args.batch
+    for storage, prefill, budget, executors, batch in itertools.product(
+        args.storage, args.prefill, args.budget, args.executors, args.batch
     ):
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
-                            args.service_patches, args.executor_patches, storage, prefill)
+                            args.service_patches, args.executor_patches, storage, prefill,
+                            budget)
         reports.append(await run_config(settings, args, root))
         print_report(reports[-1], args)
         sys.stdout.flush()

@@ -415,20 +415,25 @@ class OperationsProjector:
             for r in rows
         ]
 
-    def count_since(self, *, tenant: str, actor: str, tool: str, since: datetime) -> int:
-        """Accepted operations of `actor` for `tool` since `since` (for budgets).
+    def accepted_since(
+        self, *, tenant: str, actor: str, tool: str, since: datetime
+    ) -> tuple[int, int]:
+        """(the view's position, accepted operations of `actor` for `tool` since `since`),
+        read together (for budgets: `ledger.budget`).
 
         Rejected proposals do not count: a model repairing its arguments should
         not use up the caller's budget.
         """
-        return int(
-            self._db.query(
-                "SELECT COUNT(*) FROM opledger_operations"
-                " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?"
-                " AND state NOT IN ('rejected', 'needs_clarification')",
-                (view_text(tenant), view_text(actor), tool, _iso(since)),
-            )[0][0]
-        )
+        # One statement, so one snapshot: the count is exactly the view's as of the
+        # position (its writer moves both in one transaction).
+        row = self._db.query(
+            "SELECT (SELECT position FROM opledger_positions WHERE name = ?),"
+            " (SELECT COUNT(*) FROM opledger_operations"
+            " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?"
+            " AND state NOT IN ('rejected', 'needs_clarification'))",
+            (_NAME, view_text(tenant), view_text(actor), tool, _iso(since)),
+        )[0]
+        return int(row[0] or 0), int(row[1])
 
     def digest_rows(self) -> Sequence[tuple[int, str, int, str, str]]:
         """The seal's digest chain (`ledger.audit.seal.digest_rows`), kept here for its

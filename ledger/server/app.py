@@ -709,6 +709,9 @@ class LedgerService:
         view_thread = self.options.view_thread
         if view_thread is None:
             view_thread = self.ledger.db.is_postgres
+        if self.ledger.budget is not None:
+            # The relay or the view thread keeps the view current from now on.
+            self.ledger.budget.view_kept_current()
         if view_thread:
             self.view_refresher = ViewRefresher(self.ledger)
             self.view_refresher.start()

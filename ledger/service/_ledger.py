@@ -81,6 +81,11 @@ class Ledger:
             cache_size=cache_size,
             cache_bytes=cache_bytes,
         )
+        self.budget = budget
+        """The check's budget counter, if budgets are counted from this ledger."""
+        if budget is not None:
+            # The budget counts what this ledger stored before the view holds it.
+            self.runner.on_stored(budget.stored)
         self.contracts = PinnedContracts(checker.catalog)
         self.read_models = ReadModels(self.projector, sealer)
         self.submissions = Submissions(

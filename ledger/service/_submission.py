@@ -290,10 +290,6 @@ class Submissions:
                 continue
             fresh[operation_id] = (len(new), print_)
             new.append((index, operation, decision))
-            if self._budget is not None and decision.outcome not in _NOT_ACCEPTED:
-                self._budget.note_pending(
-                    tenant=context.tenant, actor=context.principal, tool=decision.tool
-                )
         # A refusal is the answer for a new ID only: under a stored one, the answer is
         # what the lookup would have given (the operation, or a conflict).
         refused_unasked = [
@@ -538,6 +534,16 @@ class Submissions:
             assert repaired is not None
             target.note_repair(by=operation_id, now=self._clock())
             repaired[target.id] = target
+        if self._budget is not None and decision.outcome not in _NOT_ACCEPTED:
+            # Counted from now on: by later checks of this batch, and once stored by
+            # every later one (retries, compensations and plan steps count too).
+            self._budget.note_pending(
+                tenant=context.tenant,
+                actor=context.principal,
+                tool=decision.tool,
+                operation_id=operation.id,
+                at=operation.created_on,
+            )
         return operation, decision
 
     def _build_operation(

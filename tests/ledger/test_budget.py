@@ -1,0 +1,168 @@
+"""The budget counter (`ledger.budget`): counted from the ledger, asked of the view at most
+once a second per caller and window. Both backends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from ledger import Ledger, OperationState, StorageConfig
+from tests.ledger.helpers import ALICE, make_ledger, registry_with_limit, search
+
+S = OperationState
+
+
+class _Clocks:
+    """The ledger's clock and the budget's process clock, each moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
+        self.process = 1000.0
+
+
+def _ledger(storage: StorageConfig, clocks: _Clocks, limit: int, *, served: bool) -> Ledger:
+    ledger = make_ledger(storage, registry=registry_with_limit(limit), clock=lambda: clocks.now)
+    assert ledger.budget is not None
+    ledger.budget._monotonic = lambda: clocks.process
+    if served:
+        ledger.budget.view_kept_current()  # as the service says at its start
+    return ledger
+
+
+def _count_asks(ledger: Ledger) -> list[datetime]:
+    """Record each question the budget asks the view (the window's start)."""
+    asked: list[datetime] = []
+    original: Callable[..., tuple[int, int]] = ledger.projector.accepted_since
+
+    def asking(**kwargs: Any) -> tuple[int, int]:
+        asked.append(kwargs["since"])
+        return original(**kwargs)
+
+    ledger.projector.accepted_since = asking  # type: ignore[method-assign]
+    return asked
+
+
+def test_what_this_ledger_stored_counts_before_its_view_holds_it(storage: StorageConfig) -> None:
+    clocks = _Clocks()
+    ledger = _ledger(storage, clocks, 3, served=True)
+    states = [ledger.submit(search(), ALICE).state for _ in range(4)]
+    assert states == [S.READY] * 3 + [S.REJECTED]
+    # The view took in nothing since the first question: the count came from memory.
+    assert ledger.projector.unprojected(), "the view was brought up to date meanwhile"
+    ledger.close()
+
+
+def test_the_view_is_asked_once_a_second_per_window(storage: StorageConfig) -> None:
+    clocks = _Clocks()
+    ledger = _ledger(storage, clocks, 1000, served=True)
+    asked = _count_asks(ledger)
+    for _ in range(20):
+        assert ledger.submit(search(), ALICE).state is S.READY
+    assert len(asked) == 1  # one window (per hour), asked once
+    clocks.process += 1.01
+    ledger.submit(search(), ALICE)
+    assert len(asked) == 2
+    # Asked as it is: a service keeps its view current, the budget does not write it.
+    assert len(ledger.projector.unprojected()) == 21  # every call since the first question
+    ledger.close()
+
+
+def test_a_window_that_moved_on_is_asked_again(storage: StorageConfig) -> None:
+    clocks = _Clocks()
+    ledger = _ledger(storage, clocks, 2, served=False)
+    asked = _count_asks(ledger)
+    assert [ledger.submit(search(), ALICE).state for _ in range(3)] == [
+        S.READY, S.READY, S.REJECTED
+    ]
+    clocks.now += timedelta(milliseconds=900)  # the window moved on less than a second
+    assert ledger.submit(search(), ALICE).state is S.REJECTED
+    assert len(asked) == 1
+    clocks.now += timedelta(hours=1)  # the first two left it: no answer of before counts
+    assert ledger.submit(search(), ALICE).state is S.READY
+    assert len(asked) == 2
+    ledger.close()
+
+
+def test_an_answer_errs_only_upward_while_reused(storage: StorageConfig) -> None:
+    """Within a second of the window's move, calls at its old end still count: a caller
+    may wait a second longer, never call once more."""
+    clocks = _Clocks()
+    ledger = _ledger(storage, clocks, 2, served=True)
+    for _ in range(2):
+        assert ledger.submit(search(), ALICE).state is S.READY
+    ledger.refresh()
+    clocks.process += 2  # the next question is asked of the view
+    clocks.now += timedelta(hours=1) - timedelta(milliseconds=500)
+    assert ledger.submit(search(), ALICE).state is S.REJECTED
+    clocks.now += timedelta(milliseconds=600)  # both left the window 100 ms ago...
+    assert ledger.submit(search(), ALICE).state is S.REJECTED  # ...still counted
+    clocks.process += 2
+    assert ledger.submit(search(), ALICE).state is S.READY  # asked again
+    ledger.close()
+
+
+def test_another_instances_calls_count_once_this_view_holds_them(
+    storage: StorageConfig,
+) -> None:
+    clocks = _Clocks()
+    one = _ledger(storage, clocks, 3, served=True)
+    other = _ledger(storage, clocks, 3, served=True)
+    assert [one.submit(search(), ALICE).state for _ in range(2)] == [S.READY, S.READY]
+    # The other's first question brings the view up to date: one's two count.
+    assert other.submit(search(), ALICE).state is S.READY
+    assert other.submit(search(), ALICE).state is S.REJECTED
+    # One reuses its answer for a second: the other's call is not seen yet.
+    assert one.submit(search(), ALICE).state is S.READY
+    one.refresh()  # as its service's view refresher does
+    clocks.process += 1.01
+    assert one.submit(search(), ALICE).state is S.REJECTED
+    assert other.submit(search(), ALICE).state is S.REJECTED
+    one.close()
+    other.close()
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_checked_call_counts_once_stored_and_never_if_not(
+    storage: StorageConfig, stored: bool
+) -> None:
+    """A batch's accepted calls count for the batch, then only if their append stored them."""
+    clocks = _Clocks()
+    ledger = _ledger(storage, clocks, 2, served=True)
+    budget = ledger.budget
+    assert budget is not None
+    ledger.submit(search(), ALICE)  # the first question, answered before what follows
+    key = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+    budget.note_pending(**key, operation_id="op-checked", at=clocks.now)
+    since = clocks.now - timedelta(hours=1)
+    assert budget.count(**key, since=since) == 2
+    budget.clear_pending()
+    assert budget.count(**key, since=since) == 1  # not stored (yet): not counted
+    if stored:  # as the runner says once an append is stored, past the view's position
+        budget.stored([(10**12, "op-checked", 1, "Proposed", b"")])
+    assert budget.count(**key, since=since) == (2 if stored else 1)
+    ledger.close()
+
+
+def test_stored_calls_count_exactly_when_the_clock_stepped_back() -> None:
+    """The two binary searches hold only while times grow with positions; a clock that
+    stepped back falls back to looking at each call."""
+    from ledger.budget import _StoredCalls
+
+    start = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
+    calls = _StoredCalls()
+    for position, seconds in [(10, 0), (11, 5), (12, 10), (13, 3), (14, 20)]:
+        calls.add(position, start + timedelta(seconds=seconds))
+    assert not calls.ordered
+    assert calls.count(after=10, since=start + timedelta(seconds=4)) == 3  # 11, 12, 14
+    assert calls.count(after=12, since=start) == 2
+    assert calls.keep_after(12) and calls.positions == [13, 14]
+    assert not calls.keep_after(14) and calls.ordered
+    ordered = _StoredCalls()
+    for position in range(5):
+        ordered.add(position, start + timedelta(seconds=position))
+    assert ordered.ordered
+    assert ordered.count(after=1, since=start + timedelta(seconds=3)) == 2
+    assert ordered.count(after=3, since=start) == 1
