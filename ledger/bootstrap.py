@@ -107,7 +107,7 @@ def build_ledger(
         if seal_key is not None
         else None
     )
-    budget = LedgerBudgetCounter(projector)
+    budget = LedgerBudgetCounter(projector, clock=clock)
     checker = ProposalChecker(catalog, resolver=resolver, rules=rules, budget=budget, clock=clock)
     return Ledger(
         events=events,

@@ -90,6 +90,11 @@ _SCHEMA = [
 ]
 
 
+BUCKET_CHARS = 18
+"""A creation time's first characters that name its ten-second bucket
+("2026-12-05T12:00:4" of "2026-12-05T12:00:42.123456Z": the view's one fixed-width
+form, `iso_timestamp`)."""
+
 _LATER_COLUMNS = ("lease_expires_at", "trace_parent")
 """Columns added after the first views were made (each TEXT, empty in older rows)."""
 
@@ -415,25 +420,43 @@ class OperationsProjector:
             for r in rows
         ]
 
-    def accepted_since(
-        self, *, tenant: str, actor: str, tool: str, since: datetime
-    ) -> tuple[int, int]:
-        """(the view's position, accepted operations of `actor` for `tool` since `since`),
-        read together (for budgets: `ledger.budget`).
+    def accepted_by_bucket(
+        self, *, tenant: str, actor: str, tool: str, since: datetime, edge: datetime,
+        start: datetime,
+    ) -> tuple[int, int, dict[str, int]]:
+        """For budgets (`ledger.budget`), read together: (the view's position, accepted
+        operations of `actor` for `tool` created in [`since`, `edge`), and those created
+        from `start` on, counted per ten-second bucket: its creation time's first
+        `BUCKET_CHARS` characters → count).
 
         Rejected proposals do not count: a model repairing its arguments should
         not use up the caller's budget.
         """
-        # One statement, so one snapshot: the count is exactly the view's as of the
+        # One statement, so one snapshot: the counts are exactly the view's as of the
         # position (its writer moves both in one transaction).
-        row = self._db.query(
-            "SELECT (SELECT position FROM opledger_positions WHERE name = ?),"
-            " (SELECT COUNT(*) FROM opledger_operations"
-            " WHERE tenant = ? AND actor = ? AND tool = ? AND created_at >= ?"
-            " AND state NOT IN ('rejected', 'needs_clarification'))",
-            (_NAME, view_text(tenant), view_text(actor), tool, _iso(since)),
-        )[0]
-        return int(row[0] or 0), int(row[1])
+        key = (view_text(tenant), view_text(actor), tool)
+        accepted = (
+            "tenant = ? AND actor = ? AND tool = ?"
+            " AND state NOT IN ('rejected', 'needs_clarification')"
+        )
+        rows = self._db.query(
+            "SELECT '#', position FROM opledger_positions WHERE name = ?"
+            f" UNION ALL SELECT '', COUNT(*) FROM opledger_operations WHERE {accepted}"
+            " AND created_at >= ? AND created_at < ?"
+            f" UNION ALL SELECT substr(created_at, 1, {BUCKET_CHARS}), COUNT(*)"
+            f" FROM opledger_operations WHERE {accepted} AND created_at >= ?"
+            f" GROUP BY substr(created_at, 1, {BUCKET_CHARS})",
+            (_NAME, *key, _iso(since), _iso(edge), *key, _iso(start)),
+        )
+        position, edge_count, buckets = 0, 0, {}
+        for label, count in rows:
+            if label == "#":
+                position = int(count or 0)
+            elif label == "":
+                edge_count = int(count)
+            else:
+                buckets[str(label)] = int(count)
+        return position, edge_count, buckets
 
     def digest_rows(self) -> Sequence[tuple[int, str, int, str, str]]:
         """The seal's digest chain (`ledger.audit.seal.digest_rows`), kept here for its

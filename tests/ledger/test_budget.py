@@ -32,16 +32,19 @@ def _ledger(storage: StorageConfig, clocks: _Clocks, limit: int, *, served: bool
     return ledger
 
 
-def _count_asks(ledger: Ledger) -> list[datetime]:
-    """Record each question the budget asks the view (the window's start)."""
-    asked: list[datetime] = []
-    original: Callable[..., tuple[int, int]] = ledger.projector.accepted_since
+def _count_asks(ledger: Ledger) -> list[tuple[datetime, datetime]]:
+    """Record each question the budget asks the view: (the window's start, where its
+    per-bucket counts start)."""
+    asked: list[tuple[datetime, datetime]] = []
+    original: Callable[..., tuple[int, int, dict[str, int]]] = (
+        ledger.projector.accepted_by_bucket
+    )
 
-    def asking(**kwargs: Any) -> tuple[int, int]:
-        asked.append(kwargs["since"])
+    def asking(**kwargs: Any) -> tuple[int, int, dict[str, int]]:
+        asked.append((kwargs["since"], kwargs["start"]))
         return original(**kwargs)
 
-    ledger.projector.accepted_since = asking  # type: ignore[method-assign]
+    ledger.projector.accepted_by_bucket = asking  # type: ignore[method-assign]
     return asked
 
 
@@ -83,6 +86,65 @@ def test_a_window_that_moved_on_is_asked_again(storage: StorageConfig) -> None:
     clocks.now += timedelta(hours=1)  # the first two left it: no answer of before counts
     assert ledger.submit(search(), ALICE).state is S.READY
     assert len(asked) == 2
+    ledger.close()
+
+
+def test_later_questions_ask_only_about_the_windows_last_half_minute(
+    storage: StorageConfig,
+) -> None:
+    """A busy caller's hour is counted once; after that the view is asked about its
+    first ten seconds and its last half minute, kept counts cover the rest."""
+    clocks = _Clocks()
+    ledger = _ledger(storage, clocks, 1000, served=True)
+    asked = _count_asks(ledger)
+    for _ in range(30):
+        assert ledger.submit(search(), ALICE).state is S.READY
+        ledger.refresh()  # as a service's view refresher does
+        clocks.now += timedelta(minutes=1)
+        clocks.process += 2
+    since, start = asked[0]
+    assert start - since < timedelta(seconds=10)  # the first question: the whole window
+    for since, start in asked[2:]:
+        assert start - since > timedelta(minutes=58), "asked about the whole window again"
+    clocks.process += 2
+    # And the count is still every call of the last hour: 30, and this one.
+    assert ledger.budget is not None
+    window = clocks.now - timedelta(hours=1)
+    assert ledger.budget.count(tenant="acme", actor="alice", tool="search_documents",
+                               since=window) == 30
+    ledger.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_count_is_the_views_whatever_the_timeline(storage: StorageConfig, seed: int) -> None:
+    """Calls spread over three hours at random (bursts, pauses, two windows), asked at
+    every step: the counter's answer is always the count of what the ledger holds."""
+    import random
+
+    rng = random.Random(seed)
+    clocks = _Clocks()
+    ledger = make_ledger(storage, registry=registry_with_limit(10**6), clock=lambda: clocks.now)
+    budget = ledger.budget
+    assert budget is not None
+    budget._monotonic = lambda: clocks.process
+    budget.view_kept_current()
+    for _ in range(150):
+        clocks.now += timedelta(seconds=rng.choice([0.2, 1, 3, 9.99, 10, 25, 61, 400, 1200]))
+        clocks.process += 1.5  # every question is asked of the view
+        if rng.random() < 0.7:
+            ledger.submit(search(), ALICE)
+        if rng.random() < 0.3:
+            ledger.refresh()  # the view takes in what was stored, now and then
+        for window in (timedelta(minutes=1), timedelta(hours=1)):
+            since = clocks.now - window
+            expected = sum(
+                1
+                for row in ledger.projector.rows(limit=10**6, current=True)
+                if row.state != "rejected" and datetime.fromisoformat(row.created_at) >= since
+            )
+            assert budget.count(
+                tenant="acme", actor="alice", tool="search_documents", since=since
+            ) == expected
     ledger.close()
 
 
