@@ -217,6 +217,7 @@ class LedgerBudgetCounter:
         # holds them.
         self._stored: dict[_Key, _StoredCalls] = {}
         self._view_position = 0  # the newest view position any answer was as of
+        self._forgot_at = float("-inf")
         # Whether to bring the view up to date before asking it: always, unless a
         # service keeps it so (`view_kept_current`); then only the first time, for
         # what an earlier process stored and its view had not taken in.
@@ -314,6 +315,17 @@ class LedgerBudgetCounter:
         position, edge_count, buckets = self._projector.accepted_by_bucket(
             tenant=key[0], actor=key[1], tool=key[2], since=since, edge=edge, start=start
         )
+        if position < self._view_position:
+            # The view went back: it is being rebuilt (`opledger ops rebuild`), and
+            # holds only part of what it held. Bring it up to date here, then ask
+            # again about the whole window; its kept counts are from the old view.
+            self._projector.catch_up()
+            with self._lock:
+                window.low = window.cut = None
+                start = window.start(edge)
+            position, edge_count, buckets = self._projector.accepted_by_bucket(
+                tenant=key[0], actor=key[1], tool=key[2], since=since, edge=edge, start=start
+            )
         with self._lock:
             # A bucket settles once the view holds every call of it: none of this
             # process's stored calls the view lacks may be in it.
@@ -327,6 +339,9 @@ class LedgerBudgetCounter:
             self._asked[key] = [*answers, asked]
             if position > self._view_position:
                 self._view_position = position
+            if now - self._forgot_at >= _REASK_AFTER_S:
+                # Once a second at most: it walks every caller's memory.
+                self._forgot_at = now
                 self._forget_what_the_view_holds()
         return asked
 

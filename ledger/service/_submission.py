@@ -534,9 +534,15 @@ class Submissions:
             assert repaired is not None
             target.note_repair(by=operation_id, now=self._clock())
             repaired[target.id] = target
-        if self._budget is not None and decision.outcome not in _NOT_ACCEPTED:
+        if (
+            self._budget is not None
+            and decision.outcome not in _NOT_ACCEPTED
+            and _limited(self._checker.catalog.get(decision.tool))
+        ):
             # Counted from now on: by later checks of this batch, and once stored by
-            # every later one (retries, compensations and plan steps count too).
+            # every later one (retries, compensations and plan steps count too). Only
+            # a tool with a limit is ever counted: the rest would be remembered for
+            # nothing.
             self._budget.note_pending(
                 tenant=context.tenant,
                 actor=context.principal,
@@ -735,3 +741,9 @@ def _unpack(item: SubmitItem) -> tuple[ToolProposal, RuntimeContext, str, str | 
     if len(item) == 3:
         return item[0], item[1], item[2], None
     return item[0], item[1], "", None
+
+
+def _limited(contract: ToolContract | None) -> bool:
+    return contract is not None and (
+        contract.limits.max_per_minute is not None or contract.limits.max_per_hour is not None
+    )

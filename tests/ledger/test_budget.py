@@ -228,3 +228,32 @@ def test_stored_calls_count_exactly_when_the_clock_stepped_back() -> None:
     assert ordered.ordered
     assert ordered.count(after=1, since=start + timedelta(seconds=3)) == 2
     assert ordered.count(after=3, since=start) == 1
+
+
+def test_a_view_being_rebuilt_is_brought_up_to_date_before_it_is_believed(
+    storage: StorageConfig,
+) -> None:
+    """`opledger ops rebuild` empties the view and projects it again in batches: a
+    question answered meanwhile must not count only what the view holds again."""
+    clocks = _Clocks()
+    ledger = _ledger(storage, clocks, 3, served=True)
+    for _ in range(3):
+        assert ledger.submit(search(), ALICE).state is S.READY
+        ledger.refresh()
+        clocks.process += 2
+    with ledger.db.transaction():  # the rebuild's first step, by another handle
+        ledger.db.execute("DELETE FROM opledger_operations")
+        ledger.db.execute("UPDATE opledger_positions SET position = 0 WHERE name = ?",
+                          ("operations_view",))
+    assert ledger.submit(search(), ALICE).state is S.REJECTED
+    ledger.close()
+
+
+def test_calls_of_a_tool_without_a_limit_are_not_remembered(storage: StorageConfig) -> None:
+    ledger = make_ledger(storage, registry=registry_with_limit(None))
+    for _ in range(20):
+        assert ledger.submit(search(), ALICE).state is S.READY
+    budget = ledger.budget
+    assert budget is not None
+    assert not budget._stored and not budget._unstored and not budget._pending
+    ledger.close()
