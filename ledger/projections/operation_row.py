@@ -87,7 +87,9 @@ _COLUMNS: dict[type[Operation.Event], _Setter] = {
     Operation.Rejected: {"tool_version": lambda e: e["tool_version"]},
     Operation.ApprovalRequested: {
         "approval_id": lambda e: e["approval_id"],
-        "approval_expires_at": lambda e: e["expires_at"],
+        # In the view's one form, so that the approval sweep finds what is due by
+        # comparing text (an index range), not by parsing every waiting request.
+        "approval_expires_at": lambda e: _normalized(e["expires_at"]),
         "approvals_required": lambda e: e["required_approvals"],
     },
     Operation.ApprovalDenied: {"approval_id": None},

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Callable, Sequence
 from datetime import datetime
+
+import psycopg
+from eventsourcing.persistence import PersistenceError
 
 from ledger.domain.errors import LedgerError
 from ledger.domain.operation import ALLOWED, Operation
 from ledger.projections.operations_view import OperationsProjector
 from ledger.service._runner import CommandRunner
 
-__all__ = ["Sweeps"]
+__all__ = ["MAX_PER_SWEEP", "Sweeps"]
+
+MAX_PER_SWEEP = 500
+"""How many approvals, and how many leases, one sweep expires at most (an append each)."""
 
 _log = logging.getLogger(__name__)
 
@@ -45,8 +52,10 @@ class Sweeps:
         now = self._clock()
         expired = []
         if candidates is None:
-            candidates = self._view.approval_expiry_candidates(now)
-        for operation_id in candidates:
+            candidates = self._view.approval_expiry_candidates(now, limit=MAX_PER_SWEEP)
+        # One sweep expires a bounded number (the oldest first), since it holds the
+        # service's loop; the next sweep, two seconds later, goes on.
+        for operation_id in candidates[:MAX_PER_SWEEP]:
             # The view's row may be a moment old: the call may have been approved,
             # denied or cancelled since. Its own state decides, again on every retry.
             if self._expire(operation_id, lambda op: _expire_approval(op, now)):
@@ -68,20 +77,26 @@ class Sweeps:
         # whose lease ran out, not every one in flight; each one's own lease decides.
         if candidates is None:
             candidates = self._view.lease_expiry_candidates(now)
-        for operation_id in candidates:
+        for operation_id in candidates[:MAX_PER_SWEEP]:
             # As for approvals: a result may have come since the view's answer.
             if self._expire(operation_id, lambda op: _expire_lease(op, now)):
                 expired.append(operation_id)
         return expired
 
     def _expire(self, operation_id: str, command: Callable[[Operation], bool]) -> bool:
-        # One operation the ledger cannot load or save (gone, or its append failing
-        # again and again) must not keep every later one from expiring: say so, go on.
+        # One operation the ledger cannot load or save (gone, its events unreadable,
+        # its append failing again and again) must not keep every later one from
+        # expiring, sweep after sweep: say so, go on. A database that cannot be
+        # reached is no one operation's fault: that ends the sweep.
         try:
             return self._runner.update(operation_id, command)
         except LedgerError as exc:
             _log.warning("sweep: %s not expired: %s", operation_id, exc)
-            return False
+        except (PersistenceError, sqlite3.Error, psycopg.Error):
+            raise
+        except Exception:
+            _log.exception("sweep: %s cannot be expired", operation_id)
+        return False
 
 
 def _expire_approval(operation: Operation, now: datetime) -> bool:

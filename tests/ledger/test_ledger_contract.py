@@ -23,6 +23,7 @@ from ledger import (
 )
 from ledger.adapters.results import ResultStore
 from ledger.domain.errors import InvalidArgument
+from ledger.service import _sweeps as sweeps_module
 from policy import ContractRegistry
 from policy.catalog import CATALOG_DIR
 from schemas import (
@@ -356,6 +357,70 @@ def test_a_sweep_skips_what_changed_since_the_view_named_it(storage: StorageConf
     assert ledger.get("mail-cancelled").state is S.CANCELLED
     assert ledger.get("op-finished").state is S.SUCCEEDED
     assert ledger.get("op-due").state is S.OUTCOME_UNKNOWN
+
+
+def test_a_sweep_expires_a_bounded_number_oldest_first_and_the_next_goes_on(
+    storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sweeps_module, "MAX_PER_SWEEP", 3)
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    for n in range(5):
+        ledger.submit(email(f"mail-{n}"), ALICE)
+        now[0] += timedelta(seconds=1)
+    now[0] += timedelta(minutes=16)
+    assert ledger.expire_approvals() == ["mail-0", "mail-1", "mail-2"]
+    assert ledger.expire_approvals() == ["mail-3", "mail-4"]
+
+
+def test_an_operation_whose_events_cannot_be_read_does_not_stop_the_sweep(
+    storage: StorageConfig,
+) -> None:
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    for operation_id in ("mail-damaged", "mail-due"):
+        ledger.submit(email(operation_id), ALICE)
+        now[0] += timedelta(seconds=1)
+    ledger.refresh()
+    # An upgrade renamed an event class (or a row was damaged): the oldest due
+    # request can no longer be loaded, and it comes first in every sweep.
+    ledger.db.execute(
+        f"UPDATE {ledger.events_table} SET topic = topic || 'Gone'"
+        " WHERE originator_id = ? AND originator_version = 2",
+        ("mail-damaged",),
+    )
+    later = make_ledger(storage, clock=lambda: now[0])  # nothing of it cached
+    now[0] += timedelta(minutes=16)
+    assert later.expire_approvals() == ["mail-due"]
+    assert later.get("mail-due").state is S.APPROVAL_EXPIRED
+
+
+def test_a_view_made_before_keeps_expiries_in_the_events_form_and_still_sweeps(
+    storage: StorageConfig,
+) -> None:
+    """Views made before the one form hold the event's own text of the expiry ("Z",
+    no fraction when it has none): the sweep still finds it due, to the second,
+    and `audit verify` takes the same moment in that form as no fault."""
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    ledger.submit(email("mail-1"), ALICE)
+    ledger.refresh()
+    assert ledger.projector.rows()[0].approval_expires_at == "2026-11-29T12:15:00.000000Z"
+    ledger.db.execute(
+        "UPDATE opledger_operations SET approval_expires_at = ? WHERE operation_id = ?",
+        ("2026-11-29T12:15:00Z", "mail-1"),
+    )
+    assert not [f for f in ledger.verify().findings if f.kind is FindingKind.VIEW_MISMATCH]
+    almost = now[0] + timedelta(minutes=15) - timedelta(microseconds=1)
+    assert ledger.projector.approval_expiry_candidates(almost) == []
+    due = now[0] + timedelta(minutes=15)
+    assert ledger.projector.approval_expiry_candidates(due) == ["mail-1"]
+    # Another moment in that form is a fault.
+    ledger.db.execute(
+        "UPDATE opledger_operations SET approval_expires_at = ? WHERE operation_id = ?",
+        ("2026-11-29T12:16:00Z", "mail-1"),
+    )
+    assert [f.kind for f in ledger.verify().findings] == [FindingKind.VIEW_MISMATCH]
 
 
 def test_expired_leases_are_swept_and_only_they(storage: StorageConfig) -> None:
