@@ -243,6 +243,21 @@ class Planning:
         """Record and check a plan; run what may run at once. Idempotent by the host's
         plan ID: the same plan again answers its status, another plan under that ID
         `OPERATION_CONFLICT`. `undoes`: for a compensation plan (`compensate`)."""
+        try:
+            return self._propose(proposal, context, host, undoes=undoes)
+        finally:
+            # The steps released at once counted against the budget until saved.
+            if self._budget is not None:
+                self._budget.clear_pending()
+
+    def _propose(
+        self,
+        proposal: PlanProposal,
+        context: RuntimeContext,
+        host: str,
+        *,
+        undoes: _Undoing | None = None,
+    ) -> PlanStatus:
         plan_id = self.ledger_id(host, proposal.plan_id)
         print_ = _fingerprint(proposal, context, host)
         existing = self._existing(plan_id, print_, proposal.plan_id)
@@ -623,18 +638,24 @@ class Planning:
         """Run `command` on the stored plan and save it with the operations it built, in
         one append; on a lost race, again on the fresh state."""
         for _ in range(_CONFLICT_RETRIES):
-            plan = self.get(plan_id)
-            operations, answer = command(plan)
-            if not plan.pending_events and not any(op.pending_events for op in operations):
-                return plan, answer
             try:
-                self._runner.save(plan, *operations)
-            except IntegrityError:
-                _log.debug("lost a race on %s; retrying", plan_id)
-                for operation in operations:
-                    self._runner.forget(operation.id)
-                continue
-            return plan, answer
+                plan = self.get(plan_id)
+                operations, answer = command(plan)
+                if not plan.pending_events and not any(op.pending_events for op in operations):
+                    return plan, answer
+                try:
+                    self._runner.save(plan, *operations)
+                except IntegrityError:
+                    _log.debug("lost a race on %s; retrying", plan_id)
+                    for operation in operations:
+                        self._runner.forget(operation.id)
+                    continue
+                return plan, answer
+            finally:
+                # The steps it released counted against the budget until saved (or
+                # built again, on a lost race).
+                if self._budget is not None:
+                    self._budget.clear_pending()
         raise OperationConflict("too many concurrent writers on this plan", operation_id=plan_id)
 
     # ------------------------------------------------------------------ running

@@ -423,20 +423,18 @@ class Submissions:
         call; the plan's approval stands in for its own only while the step is no
         riskier than when the plan was approved and its contract asks for no preview.
         `compensates`: (the operation it undoes, who proposed that), for a step of a
-        compensation plan."""
-        try:
-            return self._new_operation(
-                operation_id,
-                proposal,
-                context,
-                fingerprint(proposal, context, host),
-                host,
-                step_of=step_of,
-                compensates=compensates,
-            )
-        finally:
-            if self._budget is not None:
-                self._budget.clear_pending()
+        compensation plan. It counts against its caller's budget from now on, for the
+        steps released with it too: the caller ends the batch after saving them
+        (`LedgerBudgetCounter.clear_pending`)."""
+        return self._new_operation(
+            operation_id,
+            proposal,
+            context,
+            fingerprint(proposal, context, host),
+            host,
+            step_of=step_of,
+            compensates=compensates,
+        )
 
     def _submit_after_race(self, item: SubmitItem) -> Submission | LedgerError:
         proposal, context, host, _ = _unpack(item)
@@ -448,7 +446,13 @@ class Submissions:
                 return error
             if existing is not None:
                 return existing
-        return self._submit_many([item], look_up=True)[0]
+        try:
+            return self._submit_many([item], look_up=True)[0]
+        finally:
+            # Saved (or not) on its own: the next item's check must not count it as
+            # pending as well as stored.
+            if self._budget is not None:
+                self._budget.clear_pending()
 
     def _repair_link(
         self,

@@ -257,3 +257,36 @@ def test_calls_of_a_tool_without_a_limit_are_not_remembered(storage: StorageConf
     assert budget is not None
     assert not budget._stored and not budget._unstored and not budget._pending
     ledger.close()
+
+
+def test_items_settled_one_by_one_after_a_lost_race_are_counted_once(
+    storage: StorageConfig,
+) -> None:
+    """A batch whose append lost to another writer twice is settled item by item: each
+    item stored must not also stay counted as pending for the next one."""
+    clocks = _Clocks()
+    one = make_ledger(storage, registry=registry_with_limit(4), clock=lambda: clocks.now)
+    other = make_ledger(storage, registry=registry_with_limit(4), clock=lambda: clocks.now)
+    assert one.budget is not None
+
+    def never_reused() -> float:
+        clocks.process += 5  # every question asked of the view: only pending can err
+        return clocks.process
+
+    one.budget._monotonic = never_reused
+    assert other.submit(search("id1", "q1"), ALICE, "h").state is S.READY
+    looked_up = one.runner.tables.stored_ids
+    raced: list[OperationState] = []
+
+    def racing(ids: Any) -> set[str]:
+        found = looked_up(ids)
+        if not raced:  # the other stores id2 between this lookup and this append
+            raced.append(other.submit(search("id2", "q2"), ALICE, "h").state)
+        return found
+
+    one.runner.tables.stored_ids = racing  # type: ignore[method-assign,assignment]
+    answers = one.submit_many([(search(f"id{n}", f"q{n}"), ALICE, "h") for n in (1, 2, 3, 4)])
+    assert raced == [S.READY]
+    assert [answer.state for answer in answers] == [S.READY] * 4  # type: ignore[union-attr]
+    one.close()
+    other.close()

@@ -496,3 +496,42 @@ def test_an_edited_plan_event_is_caught_by_verify(ledger: Ledger) -> None:
     )
     findings = {(f.kind.value, f.operation_id, f.version) for f in ledger.verify().findings}
     assert ("modified", plan_id, 2) in findings, findings
+
+
+def test_steps_released_together_count_against_each_others_budget(
+    storage: StorageConfig,
+) -> None:
+    """Two parallel writes released by one approval, after a direct write took a place
+    of the budget meanwhile: the second released step sees the first, so no more
+    writes run than the budget allows (both used to be let through)."""
+    from policy import ContractRegistry
+
+    registry = ContractRegistry()
+    for contract in ContractRegistry.from_directory(FILES_CATALOG_DIR).pin_latest().values():
+        if contract.name == "write_file":
+            contract = contract.model_copy(update={
+                "limits": contract.limits.model_copy(update={"max_per_hour": 2})
+            })
+        registry.register(contract)
+    ledger = make_ledger(storage, registry=registry, resolver=None, rules={})
+    assert ledger.budget is not None
+    ledger.budget.view_kept_current()  # as in the service
+    proposed = ledger.propose_plan(plan(
+        "writes",
+        step("a", "write_file", {"path": "/r/a.md", "content": "a"}),
+        step("b", "write_file", {"path": "/r/b.md", "content": "b"}),
+        step("g", "grant_access", {"file_id": "file-0123456789ab", "person": "bob"}),
+    ), ALICE, HOST)
+    assert proposed.state == "awaiting_approval" and proposed.plan_hash is not None
+    direct = ledger.submit(
+        proposal("write_file", {"path": "/r/c.md", "content": "c"}, operation_id="d1"),
+        ALICE, HOST,
+    )
+    assert direct.state is OperationState.READY
+    ledger.approve_plan(ledger.plans.ledger_id(HOST, "writes"), approver="carol",
+                        approver_roles=ADMINS, plan_hash=proposed.plan_hash)
+    ledger.refresh()
+    writes = [row for row in ledger.projector.rows(tool="write_file")
+              if row.state not in ("rejected", "needs_clarification")]
+    assert len(writes) <= 2, [(row.operation_id, row.state) for row in writes]
+    ledger.close()
