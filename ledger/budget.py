@@ -328,12 +328,17 @@ class LedgerBudgetCounter:
             )
         with self._lock:
             # A bucket settles once the view holds every call of it: none of this
-            # process's stored calls the view lacks may be in it.
-            settled_before = clock_now - _SETTLED_AFTER
+            # process's calls the view lacks (stored past its position, or checked
+            # and not stored yet) may be in it.
             calls = self._stored.get(key)
-            unheld = calls.earliest_after(position) if calls is not None else None
-            if unheld is not None:
-                settled_before = min(settled_before, unheld)
+            unheld = [
+                clock_now - _SETTLED_AFTER,
+                *(checked.at for checked in self._pending.values() if checked.key == key),
+                *(checked.at for checked, _ in self._unstored.values() if checked.key == key),
+            ]
+            if calls is not None and (earliest := calls.earliest_after(position)) is not None:
+                unheld.append(earliest)
+            settled_before = min(unheld)
             count = edge_count + window.count(edge, start, buckets, settled_before)
             asked = _Asked(since, position, count, now)
             self._asked[key] = [*answers, asked]

@@ -290,3 +290,61 @@ def test_items_settled_one_by_one_after_a_lost_race_are_counted_once(
     assert [answer.state for answer in answers] == [S.READY] * 4  # type: ignore[union-attr]
     one.close()
     other.close()
+
+
+class _FakeView:
+    """The two questions the counter asks the operations view, over rows the test
+    puts in: (position, creation time), all of one caller, all accepted."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, datetime]] = []
+        self.position = 0
+
+    def catch_up(self) -> int:
+        return 0
+
+    def accepted_by_bucket(
+        self, *, since: datetime, edge: datetime, start: datetime, **_caller: str
+    ) -> tuple[int, int, dict[str, int]]:
+        from ledger.projections.operation_row import iso_timestamp
+
+        held = [at for position, at in self.rows if position <= self.position]
+        buckets: dict[str, int] = {}
+        for at in held:
+            if at >= start:
+                label = iso_timestamp(at)[:18]
+                buckets[label] = buckets.get(label, 0) + 1
+        return self.position, sum(1 for at in held if since <= at < edge), buckets
+
+
+def test_a_call_checked_long_before_it_is_stored_holds_its_bucket_open() -> None:
+    """A bucket settles only once the view holds all of this process's calls in it,
+    those checked and not stored yet included (a save held to the end of a turn)."""
+    from ledger.budget import LedgerBudgetCounter
+
+    clocks = _Clocks()
+    view = _FakeView()
+    budget = LedgerBudgetCounter(
+        view,  # type: ignore[arg-type]
+        clock=lambda: clocks.now, monotonic=lambda: clocks.process,
+    )
+    budget.view_kept_current()
+    key = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+
+    def count() -> int:
+        clocks.process += 2
+        return budget.count(**key, since=clocks.now - timedelta(hours=1))
+
+    checked_at = clocks.now
+    assert count() == 0
+    budget.note_pending(**key, operation_id="op-x", at=checked_at)
+    budget.clear_pending()  # the batch ended; its save waits
+    clocks.now += timedelta(seconds=40)
+    assert count() == 0  # not stored: not counted, and its bucket not settled either
+    budget.stored([(1, "op-x", 1, "Proposed", b"")])
+    clocks.now += timedelta(seconds=5)
+    assert count() == 1  # from memory
+    view.rows.append((1, checked_at))
+    view.position = 1  # the view takes it in
+    clocks.now += timedelta(seconds=5)
+    assert count() == 1  # from the view's bucket, asked again
