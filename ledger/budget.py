@@ -49,9 +49,15 @@ _REASK_AFTER_S = 1.0
 _WINDOW_SLACK = timedelta(seconds=1)
 """How far a window may have moved on (by the ledger's clock) and still reuse the answer."""
 
-_UNSTORED_FOR_S = 30.0
-"""How long a checked operation's ID is remembered after its batch ended, for its append."""
+_REMEMBERED_FOR = timedelta(hours=1, minutes=1)
+"""How long a checked operation is remembered after its batch ended, for its append:
+while the longest window (`check_budget`'s hour) may still hold it, by its creation
+time, and for a minute of the process's clock at least (a ledger clock that jumped
+ahead and back must not make it forgotten). Until then it holds its bucket open, so a
+save that comes late is still counted; an abandoned batch's only cost is that its
+caller's window is asked of the view from that bucket on."""
 
+_REMEMBERED_FOR_S = 60.0
 _BUCKET = timedelta(seconds=10)
 """The view's counts are kept per bucket of creation times this long (`BUCKET_CHARS`)."""
 
@@ -211,7 +217,7 @@ class LedgerBudgetCounter:
         self._pending: dict[str, _Checked] = {}
         self._pending_count: dict[_Key, int] = {}
         # Checked by a batch that ended, waiting for its append (or abandoned): not
-        # counted until stored; forgotten after `_UNSTORED_FOR_S`.
+        # counted until stored; forgotten after `_REMEMBERED_FOR`.
         self._unstored: dict[str, tuple[_Checked, float]] = {}
         # Stored by this process: (position, creation time) per key, until the view
         # holds them.
@@ -262,9 +268,9 @@ class LedgerBudgetCounter:
             self._pending_count.clear()
             if not self._pending:
                 return
-            forget_at = self._monotonic() + _UNSTORED_FOR_S
+            ended = self._monotonic()
             for operation_id, checked in self._pending.items():
-                self._unstored[operation_id] = (checked, forget_at)
+                self._unstored[operation_id] = (checked, ended)
             self._pending.clear()
 
     def stored(self, rows: Sequence[StoredRow]) -> None:
@@ -276,9 +282,9 @@ class LedgerBudgetCounter:
             for position, operation_id, version, _topic, _state in rows:
                 if version != 1:
                     continue
-                found = self._unstored.pop(operation_id, None)
                 # Stored before its batch ended (a retry's own append): still counted
                 # as pending until then, so no longer remembered as pending.
+                found = self._unstored.pop(operation_id, None)
                 checked = found[0] if found is not None else self._pending.pop(operation_id, None)
                 if checked is not None:
                     calls = self._stored.get(checked.key)
@@ -286,8 +292,12 @@ class LedgerBudgetCounter:
                         calls = self._stored[checked.key] = _StoredCalls()
                     calls.add(position, checked.at)
             if self._unstored:
-                now = self._monotonic()
-                for operation_id in [o for o, (_, until) in self._unstored.items() if until < now]:
+                oldest, ended = self._clock() - _REMEMBERED_FOR, self._monotonic()
+                for operation_id in [
+                    o
+                    for o, (checked, at) in self._unstored.items()
+                    if checked.at < oldest and ended - at > _REMEMBERED_FOR_S
+                ]:
                     del self._unstored[operation_id]
 
     def _answer(self, key: _Key, since: datetime) -> _Asked:

@@ -348,3 +348,38 @@ def test_a_call_checked_long_before_it_is_stored_holds_its_bucket_open() -> None
     view.position = 1  # the view takes it in
     clocks.now += timedelta(seconds=5)
     assert count() == 1  # from the view's bucket, asked again
+
+
+def test_a_call_saved_late_is_still_counted_once_the_view_holds_it() -> None:
+    """Its save comes after other appends and more than half a minute later: its bucket
+    stays open until it is stored and the view holds it (the attack review's case: it
+    was forgotten after 30 s, its bucket settled without it, and the hour missed it)."""
+    from ledger.budget import LedgerBudgetCounter
+
+    clocks = _Clocks()
+    view = _FakeView()
+    budget = LedgerBudgetCounter(
+        view,  # type: ignore[arg-type]
+        clock=lambda: clocks.now, monotonic=lambda: clocks.process,
+    )
+    budget.view_kept_current()
+    key = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+
+    def count() -> int:
+        clocks.process += 2
+        return budget.count(**key, since=clocks.now - timedelta(hours=1))
+
+    checked_at = clocks.now
+    assert count() == 0
+    budget.note_pending(**key, operation_id="op-x", at=checked_at)
+    budget.clear_pending()  # the batch ended; its save waits
+    clocks.now += timedelta(seconds=45)
+    clocks.process += 31
+    budget.stored([(1, "op-other", 1, "Proposed", b"")])  # another append meanwhile
+    assert count() == 0
+    budget.stored([(2, "op-x", 1, "Proposed", b"")])
+    view.rows.append((2, checked_at))
+    view.position = 2
+    for _ in range(3):
+        clocks.now += timedelta(seconds=5)
+        assert count() == 1
