@@ -299,8 +299,10 @@ class _FakeView:
     def __init__(self) -> None:
         self.rows: list[tuple[int, datetime]] = []
         self.position = 0
+        self.log_end = 0
 
     def catch_up(self) -> int:
+        self.position = max(self.position, self.log_end)
         return 0
 
     def accepted_by_bucket(
@@ -383,3 +385,82 @@ def test_a_call_saved_late_is_still_counted_once_the_view_holds_it() -> None:
     for _ in range(3):
         clocks.now += timedelta(seconds=5)
         assert count() == 1
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_the_count_never_falls_short_over_random_timelines(served: bool) -> None:
+    """A differential test against a fake view (the attack review's, fast enough for
+    hundreds of timelines): ledger clock steps forward, back and onto bucket edges,
+    process clock steps around the one-second reuse, a view that lags, catches up or
+    goes back, batches stored in parts, ended or abandoned. At every check (the
+    minute, then the hour, as `check_budget` asks) the count is at least the calls
+    stored or pending since the window's start."""
+    import random
+    from functools import partial
+
+    from ledger.budget import LedgerBudgetCounter
+
+    key = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+    for seed in range(150):
+        rng = random.Random(seed)
+        clocks = _Clocks()
+        view = _FakeView()
+        budget = LedgerBudgetCounter(
+            view,  # type: ignore[arg-type]
+            clock=partial(getattr, clocks, "now"), monotonic=partial(getattr, clocks, "process"),
+        )
+        if served:
+            budget.view_kept_current()
+        pending: list[tuple[str, datetime]] = []
+        unstored: list[tuple[str, datetime, float]] = []
+        stored: list[datetime] = []
+        made = 0
+        for _ in range(300):
+            move = rng.random()
+            if move < 0.25:
+                step = rng.choice([
+                    timedelta(seconds=rng.choice([0.5, 1, 9.999999, 10, 10.000001, 29, 31, 40])),
+                    timedelta(minutes=rng.choice([1, 5, 59, 60, 61])),
+                    -timedelta(seconds=rng.choice([1, 9, 10, 11, 35, 600])),
+                    timedelta(microseconds=rng.randint(0, 20_000_000)),
+                ])
+                clocks.now += step
+                if rng.random() < 0.2:  # exactly on a bucket's edge
+                    clocks.now = clocks.now.replace(
+                        second=clocks.now.second // 10 * 10, microsecond=0
+                    )
+                clocks.process += rng.choice([0.0, 0.999, 1.0, 1.001, 2, 31])
+            elif move < 0.6:
+                for window in (timedelta(minutes=1), timedelta(hours=1)):
+                    since = clocks.now - window
+                    truth = sum(1 for at in stored if at >= since) + len(pending)
+                    counted = budget.count(**key, since=since)
+                    assert counted >= truth, (seed, window, counted, truth)
+                made += 1
+                pending.append((f"op-{made}", clocks.now))
+                budget.note_pending(**key, operation_id=f"op-{made}", at=clocks.now)
+            elif move < 0.7:
+                budget.clear_pending()
+                unstored += [(op, at, clocks.process) for op, at in pending]
+                pending = []
+            elif move < 0.82 and unstored:
+                # Some of the ended batches' saves arrive (within half a minute).
+                batch = [u for u in unstored[: rng.randint(1, len(unstored))]
+                         if clocks.process - u[2] < 29]
+                rows = []
+                for operation_id, at, _ in batch:
+                    view.log_end += 1
+                    view.rows.append((view.log_end, at))
+                    stored.append(at)
+                    rows.append((view.log_end, operation_id, 1, "Proposed", b""))
+                unstored = [u for u in unstored if u not in batch]
+                budget.stored(rows)
+                unstored = [u for u in unstored if clocks.process - u[2] < 29]  # abandoned
+            elif move < 0.95:
+                view.position = rng.choice([
+                    view.log_end,
+                    rng.randint(view.position, max(view.position, view.log_end)),
+                    rng.randint(0, view.position),  # a rebuild under way
+                ])
+            else:
+                clocks.process += rng.choice([0.2, 1.01, 3])
