@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from ledger import Ledger, OperationState, StorageConfig
+from ledger.budget import LedgerBudgetCounter
 from tests.ledger.helpers import ALICE, make_ledger, registry_with_limit, search
 
 S = OperationState
@@ -319,19 +320,29 @@ class _FakeView:
         return self.position, sum(1 for at in held if since <= at < edge), buckets
 
 
-def test_a_call_checked_long_before_it_is_stored_holds_its_bucket_open() -> None:
-    """A bucket settles only once the view holds all of this process's calls in it,
-    those checked and not stored yet included (a save held to the end of a turn)."""
-    from ledger.budget import LedgerBudgetCounter
+_KEY = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+"""The one caller of the tests over a fake view."""
 
+
+def _over_a_fake_view(*, served: bool) -> tuple[_Clocks, _FakeView, LedgerBudgetCounter]:
+    """A budget counter asking a fake view, on clocks the test moves (`served`: as a
+    service's, which keeps the view current)."""
     clocks = _Clocks()
     view = _FakeView()
     budget = LedgerBudgetCounter(
         view,  # type: ignore[arg-type]
         clock=lambda: clocks.now, monotonic=lambda: clocks.process,
     )
-    budget.view_kept_current()
-    key = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+    if served:
+        budget.view_kept_current()
+    return clocks, view, budget
+
+
+def test_a_call_checked_long_before_it_is_stored_holds_its_bucket_open() -> None:
+    """A bucket settles only once the view holds all of this process's calls in it,
+    those checked and not stored yet included (a save held to the end of a turn)."""
+    clocks, view, budget = _over_a_fake_view(served=True)
+    key = _KEY
 
     def count() -> int:
         clocks.process += 2
@@ -356,16 +367,8 @@ def test_a_call_saved_late_is_still_counted_once_the_view_holds_it() -> None:
     """Its save comes after other appends and more than half a minute later: its bucket
     stays open until it is stored and the view holds it (the attack review's case: it
     was forgotten after 30 s, its bucket settled without it, and the hour missed it)."""
-    from ledger.budget import LedgerBudgetCounter
-
-    clocks = _Clocks()
-    view = _FakeView()
-    budget = LedgerBudgetCounter(
-        view,  # type: ignore[arg-type]
-        clock=lambda: clocks.now, monotonic=lambda: clocks.process,
-    )
-    budget.view_kept_current()
-    key = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+    clocks, view, budget = _over_a_fake_view(served=True)
+    key = _KEY
 
     def count() -> int:
         clocks.process += 2
@@ -396,21 +399,11 @@ def test_the_count_never_falls_short_over_random_timelines(served: bool) -> None
     minute, then the hour, as `check_budget` asks) the count is at least the calls
     stored or pending since the window's start."""
     import random
-    from functools import partial
 
-    from ledger.budget import LedgerBudgetCounter
-
-    key = {"tenant": "acme", "actor": "alice", "tool": "search_documents"}
+    key = _KEY
     for seed in range(150):
         rng = random.Random(seed)
-        clocks = _Clocks()
-        view = _FakeView()
-        budget = LedgerBudgetCounter(
-            view,  # type: ignore[arg-type]
-            clock=partial(getattr, clocks, "now"), monotonic=partial(getattr, clocks, "process"),
-        )
-        if served:
-            budget.view_kept_current()
+        clocks, view, budget = _over_a_fake_view(served=served)
         pending: list[tuple[str, datetime]] = []
         unstored: list[tuple[str, datetime, float]] = []
         stored: list[datetime] = []
