@@ -30,7 +30,8 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -38,7 +39,7 @@ from ledger.adapters.event_tables import StoredRow
 from ledger.projections.operation_row import iso_timestamp
 from ledger.projections.operations_view import BUCKET_CHARS, OperationsProjector
 
-__all__ = ["LedgerBudgetCounter"]
+__all__ = ["LedgerBudgetCounter", "budget_batch"]
 
 _Key = tuple[str, str, str]
 """(tenant, actor, tool)."""
@@ -261,6 +262,15 @@ class LedgerBudgetCounter:
             if operation_id is not None and at is not None:
                 self._pending[operation_id] = _Checked(key, at)
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """One batch of checks: what it accepts counts as pending until it ends, stored
+        or not (`clear_pending` on the way out, whatever raised)."""
+        try:
+            yield
+        finally:
+            self.clear_pending()
+
     def clear_pending(self) -> None:
         """The batch ended (its append stored, to be stored at the end of the service's
         turn, or abandoned): its operations count once stored (`stored`)."""
@@ -379,3 +389,8 @@ class LedgerBudgetCounter:
             )
             if not calls.keep_after(min(held, self._view_position)):
                 del self._stored[key]
+
+
+def budget_batch(counter: LedgerBudgetCounter | None) -> AbstractContextManager[None]:
+    """`counter.batch()`, or nothing to end where no budget is counted (`None`)."""
+    return counter.batch() if counter is not None else nullcontext()

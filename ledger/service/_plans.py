@@ -23,7 +23,7 @@ import orjson
 from eventsourcing.application import AggregateNotFoundError
 from eventsourcing.persistence import IntegrityError
 
-from ledger.budget import LedgerBudgetCounter
+from ledger.budget import LedgerBudgetCounter, budget_batch
 from ledger.domain.approval_rules import Refusal
 from ledger.domain.errors import (
     ApprovalRefused,
@@ -243,12 +243,9 @@ class Planning:
         """Record and check a plan; run what may run at once. Idempotent by the host's
         plan ID: the same plan again answers its status, another plan under that ID
         `OPERATION_CONFLICT`. `undoes`: for a compensation plan (`compensate`)."""
-        try:
+        # The steps released at once count against the budget until saved.
+        with budget_batch(self._budget):
             return self._propose(proposal, context, host, undoes=undoes)
-        finally:
-            # The steps released at once counted against the budget until saved.
-            if self._budget is not None:
-                self._budget.clear_pending()
 
     def _propose(
         self,
@@ -264,11 +261,8 @@ class Planning:
         if existing is not None:
             return existing
         now = self._clock()
-        try:
+        with budget_batch(self._budget):
             issues, steps, decisions, requirement = self._check(proposal, context, host)
-        finally:
-            if self._budget is not None:
-                self._budget.clear_pending()
         body = proposal.model_dump(mode="json")
         plan = Plan.propose(
             plan_id,
@@ -638,7 +632,9 @@ class Planning:
         """Run `command` on the stored plan and save it with the operations it built, in
         one append; on a lost race, again on the fresh state."""
         for _ in range(_CONFLICT_RETRIES):
-            try:
+            # The steps it releases count against the budget until saved (or built
+            # again, on a lost race).
+            with budget_batch(self._budget):
                 plan = self.get(plan_id)
                 operations, answer = command(plan)
                 if not plan.pending_events and not any(op.pending_events for op in operations):
@@ -651,11 +647,6 @@ class Planning:
                         self._runner.forget(operation.id)
                     continue
                 return plan, answer
-            finally:
-                # The steps it released counted against the budget until saved (or
-                # built again, on a lost race).
-                if self._budget is not None:
-                    self._budget.clear_pending()
         raise OperationConflict("too many concurrent writers on this plan", operation_id=plan_id)
 
     # ------------------------------------------------------------------ running

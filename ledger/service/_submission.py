@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from eventsourcing.persistence import IntegrityError
 
-from ledger.budget import LedgerBudgetCounter
+from ledger.budget import LedgerBudgetCounter, budget_batch
 from ledger.domain.errors import InvalidProposal, LedgerError, OperationConflict, OperationNotFound
 from ledger.domain.operation import Operation
 from ledger.domain.states import OperationState
@@ -214,11 +214,8 @@ class Submissions:
         call, a proposal that cannot be stored). One item can never fail,
         or keep out, the others.
         """
-        try:
+        with budget_batch(self._budget):
             return self._submit_many(items)
-        finally:
-            if self._budget is not None:
-                self._budget.clear_pending()
 
     def _submit_many(
         self, items: Sequence[SubmitItem], *, look_up: bool = False
@@ -361,25 +358,23 @@ class Submissions:
             raise OperationConflict(
                 f"the ID {retry_id} the retry would take is taken", operation_id=original.id
             )
-        try:
-            operation, decision = self._new_operation(
-                retry_id,
-                proposal,
-                context,
-                fingerprint(proposal, context, host),
-                host,
-                trace_parent=original.trace_parent,
-                retries=(original.id, by),
-            )
-            self._runner.save(operation, original)
-        except IntegrityError:
-            raise OperationConflict(
-                "the operation changed, or its retry's ID was taken, meanwhile: look again",
-                operation_id=original.id,
-            ) from None
-        finally:
-            if self._budget is not None:
-                self._budget.clear_pending()
+        with budget_batch(self._budget):
+            try:
+                operation, decision = self._new_operation(
+                    retry_id,
+                    proposal,
+                    context,
+                    fingerprint(proposal, context, host),
+                    host,
+                    trace_parent=original.trace_parent,
+                    retries=(original.id, by),
+                )
+                self._runner.save(operation, original)
+            except IntegrityError:
+                raise OperationConflict(
+                    "the operation changed, or its retry's ID was taken, meanwhile: look again",
+                    operation_id=original.id,
+                ) from None
         return Submission(operation.id, operation.state, decision, True)
 
     def compensation(
@@ -395,7 +390,7 @@ class Submissions:
         """The operation that undoes `compensates`, built and checked but not saved (it is
         saved with the original's `CompensationProposed`): a call of its own, checked,
         approved and budgeted like any, proposed by `by` on behalf of the original caller."""
-        try:
+        with budget_batch(self._budget):
             return self._new_operation(
                 operation_id,
                 proposal,
@@ -404,9 +399,6 @@ class Submissions:
                 host,
                 compensates=(compensates, by),
             )
-        finally:
-            if self._budget is not None:
-                self._budget.clear_pending()
 
     def step_operation(
         self,
@@ -425,7 +417,7 @@ class Submissions:
         `compensates`: (the operation it undoes, who proposed that), for a step of a
         compensation plan. It counts against its caller's budget from now on, for the
         steps released with it too: the caller ends the batch after saving them
-        (`LedgerBudgetCounter.clear_pending`)."""
+        (`LedgerBudgetCounter.batch`)."""
         return self._new_operation(
             operation_id,
             proposal,
@@ -446,13 +438,10 @@ class Submissions:
                 return error
             if existing is not None:
                 return existing
-        try:
+        # Saved (or not) on its own: the next item's check must not count it as
+        # pending as well as stored.
+        with budget_batch(self._budget):
             return self._submit_many([item], look_up=True)[0]
-        finally:
-            # Saved (or not) on its own: the next item's check must not count it as
-            # pending as well as stored.
-            if self._budget is not None:
-                self._budget.clear_pending()
 
     def _repair_link(
         self,
