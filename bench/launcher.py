@@ -362,6 +362,66 @@ def _pg_statements(_value: str) -> None:
     atexit.register(report)
 
 
+def _lease_in_result(_value: str) -> None:
+    """Service and executor, both: the ceiling of granting the lease at dispatch.
+
+    **Unsafe, for measurement only** (`docs/dispatch-leases.md`): the executor
+    runs an item without asking for a lease (it makes up attempt 1, token 1,
+    the arguments `{"n": 0}` and no context, which the bench's no-op ignores), and the
+    service claims the lease in the same append as the result. No claim is
+    made anywhere before the call runs, so a crash or a redelivery could run it
+    twice; the broker claim that would prevent that is not made either, so its
+    round trip (a JetStream publish) is missing from the figures. Given to the
+    service and to the executors (`--service-patches lease-in-result
+    --executor-patches lease-in-result`), it shows how much of an operation's
+    time and CPU the lease hop and its commit hold.
+    """
+    from datetime import UTC, datetime, timedelta
+
+    try:
+        from executors import _runner
+    except ImportError:  # pragma: no cover - the service has the package too
+        _runner = None  # type: ignore[assignment]
+    if _runner is not None:
+        from schemas import LeaseDecision, LeaseReply
+
+        original_lease = _runner.ExecutorRunner._lease
+
+        async def lease(self: Any, request: Any) -> Any:
+            if request.holding is not None:  # a check-in while running: as before
+                return await original_lease(self, request)
+            return LeaseReply(
+                decision=LeaseDecision.EXECUTE,
+                operation_id=request.operation_id,
+                tool=self.contract.name,
+                tool_version=self.contract.version,
+                arguments={"n": 0},
+                fencing_token=1,
+                attempt=1,
+                lease_expires_at=datetime.now(UTC) + timedelta(seconds=60),
+                timeout_ms=self.contract.timeout_ms,
+            )
+
+        _runner.ExecutorRunner._lease = lease  # type: ignore[method-assign]
+
+    from ledger.domain.states import OperationState
+    from ledger.service import _results
+
+    original_apply = _results.ResultRecording._apply
+
+    def apply(self: Any, operation: Any, envelope: Any) -> Any:
+        if operation.state is OperationState.READY and envelope.fencing_token == 1:
+            operation.claim_lease(
+                executor=envelope.provenance.executor,
+                ttl=timedelta(seconds=60),
+                now=self._clock(),
+                checked={"patched": "lease-in-result"},
+            )
+        return original_apply(self, operation, envelope)
+
+    _results.ResultRecording._apply = apply  # type: ignore[method-assign]
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
     "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
@@ -370,6 +430,7 @@ PATCHES: dict[str, Callable[[str], None]] = {
     "sqlite-normal": _sqlite_normal,
     "cpu-split": _cpu_split,
     "pg-statements": _pg_statements,
+    "lease-in-result": _lease_in_result,
 }
 """Experiment name → function applying it (its docstring names the source change)."""
 
