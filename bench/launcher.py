@@ -378,36 +378,29 @@ def _lease_in_result(_value: str) -> None:
     """
     from datetime import UTC, datetime, timedelta
 
-    try:
-        from executors import _runner
-    except ImportError:  # pragma: no cover - the service has the package too
-        _runner = None  # type: ignore[assignment]
-    if _runner is not None:
-        from schemas import LeaseDecision, LeaseReply
-
-        original_lease = _runner.ExecutorRunner._lease
-
-        async def lease(self: Any, request: Any) -> Any:
-            if request.holding is not None:  # a check-in while running: as before
-                return await original_lease(self, request)
-            return LeaseReply(
-                decision=LeaseDecision.EXECUTE,
-                operation_id=request.operation_id,
-                tool=self.contract.name,
-                tool_version=self.contract.version,
-                arguments={"n": 0},
-                fencing_token=1,
-                attempt=1,
-                lease_expires_at=datetime.now(UTC) + timedelta(seconds=60),
-                timeout_ms=self.contract.timeout_ms,
-            )
-
-        _runner.ExecutorRunner._lease = lease  # type: ignore[method-assign]
-
+    from executors import ExecutorRunner
     from ledger.domain.states import OperationState
-    from ledger.service import _results
+    from ledger.service import ResultRecording
+    from schemas import LeaseDecision, LeaseReply
 
-    original_apply = _results.ResultRecording._apply
+    original_lease = ExecutorRunner._lease
+
+    async def lease(self: Any, request: Any) -> Any:
+        if request.holding is not None:  # a check-in while running: as before
+            return await original_lease(self, request)
+        return LeaseReply(
+            decision=LeaseDecision.EXECUTE,
+            operation_id=request.operation_id,
+            tool=self.contract.name,
+            tool_version=self.contract.version,
+            arguments={"n": 0},
+            fencing_token=1,
+            attempt=1,
+            lease_expires_at=datetime.now(UTC) + timedelta(seconds=60),
+            timeout_ms=self.contract.timeout_ms,
+        )
+
+    original_apply = ResultRecording._apply
 
     def apply(self: Any, operation: Any, envelope: Any) -> Any:
         if operation.state is OperationState.READY and envelope.fencing_token == 1:
@@ -419,7 +412,9 @@ def _lease_in_result(_value: str) -> None:
             )
         return original_apply(self, operation, envelope)
 
-    _results.ResultRecording._apply = apply  # type: ignore[method-assign]
+    # Both processes load both packages; each only ever calls its own half.
+    ExecutorRunner._lease = lease  # type: ignore[method-assign]
+    ResultRecording._apply = apply  # type: ignore[method-assign]
 
 
 PATCHES: dict[str, Callable[[str], None]] = {
