@@ -9,6 +9,7 @@ import os
 import secrets
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -193,8 +194,12 @@ def test_the_http_gateway_does_not_start_without_a_sound_token(tmp_path: Path) -
         "another interface, --insecure-no-auth": (
             ["--listen", "192.0.2.7:8765", "--insecure-no-auth"], None, "not loopback"),
     }
-    for name, (extra, env, says) in cases.items():
-        done = _serve(*extra, env=env)
+    # Each case is a process that imports the CLI and exits: run a few at once.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        ran = dict(zip(cases, pool.map(lambda case: _serve(*case[0], env=case[1]),
+                                       cases.values()), strict=True))
+    for name, (_, _, says) in cases.items():
+        done = ran[name]
         assert done.returncode == 2, (name, done.stderr)
         assert "MCP_CONFIG" in done.stderr and says in done.stderr, (name, done.stderr)
         assert "Traceback" not in done.stderr, (name, done.stderr)
