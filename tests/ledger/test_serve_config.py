@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from ledger import StorageConfig
@@ -13,7 +14,7 @@ from ledger.entrypoints.parsing import settings_from
 from ledger.server.app import LedgerService, ServiceOptions
 from ledger.server.gateway import LedgerGateway
 from ledger.server.main import run_service_main
-from schemas import ProposalEnvelope
+from schemas import ProposalEnvelope, RuntimeContext
 from tests.ledger.helpers import ALICE, make_ledger, search
 
 _OVERRIDES = ("OPLEDGER_DATABASE", "OPLEDGER_NATS_URL", "OPLEDGER_CONTRACTS_DIR",
@@ -123,8 +124,20 @@ def test_an_unusable_approver_role_is_refused_in_one_line(
     assert len(err.strip().splitlines()) == 1
 
 
+def _plan_request(context: RuntimeContext, plan_id: str) -> bytes:
+    step = {"step": "find", "operation_id": f"op-{plan_id}", "tool_name": "search_documents",
+            "arguments": {"query": "refund policy"}}
+    plan = {"plan_id": plan_id, "conversation_id": "c-1", "requested_by_user_id": "alice",
+            "steps": [step]}
+    return orjson.dumps(
+        {"command": "propose", "plan": plan, "context": context.model_dump(mode="json")}
+    )
+
+
 @pytest.mark.anyio
 async def test_the_service_refuses_a_tenant_its_host_may_not_act_for(tmp_path: Path) -> None:
+    """Refused: a host with no tenants, and a host for a tenant not its own (a call and a
+    plan each); nothing of theirs is stored. Its own tenant gets through."""
     ledger = make_ledger(StorageConfig.sqlite(tmp_path / "ledger.db"))
     service = LedgerService(
         ledger,
@@ -134,16 +147,28 @@ async def test_the_service_refuses_a_tenant_its_host_may_not_act_for(tmp_path: P
     )
     service.gateway = LedgerGateway(ledger)
     service.gateway.start()
+    globex = ALICE.model_copy(update={"tenant": "globex"})
     try:
-        envelope = ProposalEnvelope(proposal=search("op-1"), context=ALICE)  # tenant acme
-        body = envelope.model_dump_json().encode()
-        refused = await service._propose(body, "h2")
-        assert refused.error is not None and refused.error.code == "TENANT_NOT_ALLOWED"
-        accepted = await service._propose(body, "h1")
+        refused_calls = (
+            ("h2", ProposalEnvelope(proposal=search("op-1"), context=ALICE)),  # tenant acme
+            ("h1", ProposalEnvelope(proposal=search("op-2"), context=globex)),
+        )
+        for host, envelope in refused_calls:
+            refused = await service._propose(envelope.model_dump_json().encode(), host)
+            assert refused.error is not None, host
+            assert refused.error.code == "TENANT_NOT_ALLOWED", host
+        for host, context, plan_id in (("h2", ALICE, "plan-h2"), ("h1", globex, "plan-globex")):
+            answer = orjson.loads(await service._on_plan(_plan_request(context, plan_id), host))
+            assert answer.get("error", {}).get("code") == "TENANT_NOT_ALLOWED", (host, answer)
+        body = ProposalEnvelope(proposal=search("op-1"), context=ALICE).model_dump_json()
+        accepted = await service._propose(body.encode(), "h1")
         assert accepted.error is None and accepted.state == "ready"
+        planned = orjson.loads(await service._on_plan(_plan_request(ALICE, "plan-acme"), "h1"))
+        assert "error" not in planned, planned
         assert [row.operation_id for row in ledger.projector.rows()] == []  # not yet projected
         ledger.refresh()
-        assert [row.host for row in ledger.projector.rows()] == ["h1"]  # only h1's went in
+        stored = {(row.host, row.tenant) for row in ledger.projector.rows()}
+        assert stored == {("h1", "acme")}, stored  # only h1's, for acme, went in
     finally:
         await service.gateway.stop()
         ledger.close()
