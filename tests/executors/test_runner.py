@@ -262,6 +262,24 @@ def test_a_lost_puback_is_retried_with_the_same_message_id() -> None:
     )
 
 
+def test_each_result_publish_draws_a_new_nonce() -> None:
+    """The same result published twice (two runs of one attempt) gets two message IDs:
+    the nonce is drawn at random, not derived from the operation. The results stream
+    drops a message whose ID it has seen, on any tool's subject, so an executor of
+    another tool that could predict the ID could publish under it first and make this
+    result vanish (`tests/e2e/test_result_ids.py` tries the old, nonce-less forms)."""
+    ids = []
+    for _ in range(3):
+        fake = FakeNats({"op-1": _execute("op-1")})
+        fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+        asyncio.run(_runner(fake).run())
+        (published,) = fake.published
+        ids.append(published["headers"]["Nats-Msg-Id"])
+    nonces = {msg_id.rsplit(":", 1)[1] for msg_id in ids}
+    assert len(nonces) == 3, ids
+    assert all(re.fullmatch(r"[0-9a-f]{16}", nonce) for nonce in nonces), ids
+
+
 def test_no_puback_means_no_ack() -> None:
     fake = FakeNats({"op-1": _execute("op-1")}, failing_publishes=5)
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
