@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import cast
+from typing import Any, cast
+
+import pytest
 
 from ledger import Ledger, OperationConflict, StorageConfig, Submission
 from schemas import LeaseDecision
@@ -78,3 +80,30 @@ def test_two_instances_submitting_the_same_operation(postgres_storage: StorageCo
         thread.join(timeout=60)
     assert sorted(r.created for r in results) == [False, True]
     assert len(first.history("op-same")) == 3
+
+
+def test_a_submit_that_loses_the_race_at_its_append_answers_the_stored_operation(
+    postgres_storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race above, made certain: the second instance stores the same call after the
+    first checked that its ID was free and before the first appends. The first's append
+    then fails on the ID, and it answers the stored operation (not created), instead of
+    failing or storing the call twice."""
+    first, second = make_ledger(postgres_storage), make_ledger(postgres_storage)
+    real_save = first.runner.save
+    won: list[Submission] = []
+
+    def save_after_the_other_stored_it(*operations: Any) -> None:
+        if not won:
+            won.append(second.submit(search("op-same"), ALICE))
+        real_save(*operations)
+
+    monkeypatch.setattr(first.runner, "save", save_after_the_other_stored_it)
+    try:
+        lost = first.submit(search("op-same"), ALICE)
+        assert [submission.created for submission in won] == [True]
+        assert lost.created is False and lost.operation_id == won[0].operation_id
+        assert len(first.history("op-same")) == 3
+    finally:
+        first.close()
+        second.close()
