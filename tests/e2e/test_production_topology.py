@@ -134,6 +134,15 @@ async def test_two_ledger_services_on_one_postgres_neither_double_dispatch_nor_r
             await admin.close()
         # One work item per operation ever entered the queue: no double dispatch.
         assert work.state.last_seq == 300
+        # And not only because the stream drops copies by message ID (for two minutes):
+        # one of the two services relayed, the whole run.
+        started = [
+            line
+            for name in ("ledger-a", "ledger-b")
+            for line in (tmp_path / f"{name}.log").read_text().splitlines()
+            if "now relays" in line
+        ]
+        assert len(started) == 1, started
     finally:
         for process in reversed(processes):
             _stop(process)
