@@ -140,6 +140,11 @@ async def test_three_approvers_one_from_compliance_and_the_call_runs_once(
                 )
                 # Three people, but none from compliance: it must not run yet.
                 assert status.state == "awaiting_approval", name
+            # Its executor runs and takes work (it sends the call once, below), yet given
+            # time nothing of it was leased or sent before the last approval.
+            await asyncio.sleep(1.0)
+            assert count_send_requests(stack.email_db, op) == 0
+            assert "LeaseClaimed" not in {type(e).__name__ for e in stack.ledger().history(op)}
             status = await approvers["comp"].approve(op, proposal_hash=digest, preview_hash=shown)
             assert status.state in {"ready", "executing", "succeeded"}
         outcome = await host.outcome("op-three", timeout=60)
