@@ -10,11 +10,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CLAIMS = ROOT / "docs" / "claims.md"
 
 # `path.py` followed by backticked symbols (`Class.method`, `function`, `NAME`), up to
-# the next path, and `tests/...py::test_name` with `::more` names after it.
+# the next path, and `tests/...py::test_name` with `::more` names after it on its line
+# (notes in parentheses may come between them).
 _CODE = re.compile(
     r"`((?:ledger|executors|policy|schemas|bench|deploy)/[\w/]+\.py)`((?:,? `[^`/]+`)*)"
 )
-_TEST = re.compile(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]]*\])?`((?:, `::\w+(?:\[[^\]]*\])?`)*)")
+_TEST = re.compile(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]]*\])?`")
+_MORE_TESTS = re.compile(r"`::(\w+)(?:\[[^\]]*\])?`")
 _NAME = re.compile(r"^[A-Za-z_][\w.]*")
 
 
@@ -40,10 +42,16 @@ def _code_references(text: str) -> list[tuple[str, str | None]]:
 
 
 def _test_references(text: str) -> list[tuple[str, str]]:
+    """(file, test) for every test named; a bare `::test` belongs to the last file named
+    before it on its line, and one with no file before it is reported as `?`."""
     found = []
-    for path, first, more in _TEST.findall(text):
-        found.append((path, first))
-        found.extend((path, name) for name in re.findall(r"::(\w+)", more))
+    for line in text.splitlines():
+        named = [(m.start(), m.group(1), m.group(2)) for m in _TEST.finditer(line)]
+        bare = [(m.start(), "", m.group(1)) for m in _MORE_TESTS.finditer(line)]
+        path = "?"
+        for _, file, name in sorted(named + bare):
+            path = file or path
+            found.append((path, name))
     return found
 
 
@@ -88,4 +96,15 @@ def test_the_checker_notices_a_missing_symbol() -> None:
     assert _test_references("`tests/a.py::test_one[x]`, `::test_two`") == [
         ("tests/a.py", "test_one"),
         ("tests/a.py", "test_two"),
+    ]
+    # A note between them does not hide the next name; another file takes over.
+    assert _test_references(
+        "`tests/a.py::test_one` (a note, `x`), `::test_two` | `tests/b.py::test_3`, `::t4`\n"
+        "`::orphan`"
+    ) == [
+        ("tests/a.py", "test_one"),
+        ("tests/a.py", "test_two"),
+        ("tests/b.py", "test_3"),
+        ("tests/b.py", "t4"),
+        ("?", "orphan"),
     ]
