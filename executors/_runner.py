@@ -54,6 +54,7 @@ from schemas import (
     Subjects,
     TraceAttr,
     context_from_headers,
+    drop_undecodable_messages,
     inbox_prefix,
     trace_headers,
     tracer,
@@ -207,6 +208,7 @@ class ExecutorRunner:
 
     async def run(self) -> None:
         """Connect, start pulling from the tool's consumer and process work until `stop()`."""
+        drop_undecodable_messages()  # one malformed message must not end the reading
         server = None
         if self._metrics_port is not None:
             server, _thread = start_http_server(

@@ -53,6 +53,7 @@ from schemas import (
     ToolsRequest,
     TraceAttr,
     check_token,
+    drop_undecodable_messages,
     new_operation_id,
     trace_headers,
     tracer,
@@ -132,6 +133,7 @@ class AgentHostClient:
         cls, url: str, host: str, *, timeout: float = 5.0, **connect_options: Any
     ) -> AgentHostClient:
         """Connect as `host` (`connect_options`: credentials and inbox prefix)."""
+        drop_undecodable_messages()
         return cls(await nats.connect(url, **connect_options), host, timeout=timeout)
 
     async def close(self) -> None:

@@ -42,6 +42,7 @@ from schemas._messages import (
     WorkItem,
     WorkPurpose,
 )
+from schemas._nats_guard import drop_undecodable_messages
 from schemas._plans import (
     MAX_PLAN_STEPS,
     PLAN_STEP_PATTERN,
@@ -169,6 +170,7 @@ __all__ = [
     "context_from_headers",
     "context_from_traceparent",
     "current_traceparent",
+    "drop_undecodable_messages",
     "feed_message_id",
     "host_operation_id",
     "inbox_prefix",

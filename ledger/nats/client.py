@@ -19,6 +19,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from ledger.nats.security import Identity, connect_options
+from schemas import drop_undecodable_messages
 
 __all__ = ["connect_as", "flush_all"]
 
@@ -33,6 +34,7 @@ async def connect_as(servers: str | list[str], identity: Identity, **overrides: 
     clash = sorted(set(options) & set(overrides) - {"name"})
     if clash:
         raise ValueError(f"connect_as sets {', '.join(clash)} from the identity")
+    drop_undecodable_messages()
     return await nats.connect(servers, **{**options, **overrides})
 
 

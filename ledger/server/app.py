@@ -67,6 +67,7 @@ from schemas import (
     context_from_headers,
     context_from_traceparent,
     current_traceparent,
+    drop_undecodable_messages,
     host_operation_id,
     ledger_operation_id,
     tracer,
@@ -318,6 +319,8 @@ class LedgerService:
         self.ledger = ledger
         self.options = options
         servers = [url.strip() for url in options.nats_url.split(",") if url.strip()]
+        # Before any connection: a request nats-py cannot decode is dropped, not fatal.
+        drop_undecodable_messages()
         connect = _broker_options(options.connect_options)
         self._on_reconnected_too = connect.pop("reconnected_cb", None)
         self.broker = NatsBroker(servers, reconnected_cb=self._on_reconnected, **connect)

@@ -149,6 +149,59 @@ def test_tool_names_that_are_not_subject_tokens_are_refused_and_nothing_stalls(
         ledger.close()
 
 
+def _raw_request(subject: bytes, reply: bytes, body: bytes, headers: bytes = b"") -> bytes:
+    """A request as a sender's own socket may write it (nats-py cannot encode these)."""
+    if not headers:
+        return b"PUB %s %s %d\r\n%s\r\n" % (subject, reply, len(body), body)
+    return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (
+        subject, reply, len(headers), len(headers) + len(body), headers, body
+    )
+
+
+def test_a_request_nats_cannot_decode_is_dropped_and_nothing_stops(wire: BackendStack) -> None:
+    """A reply subject or a header status line that is not UTF-8, from a host on its own
+    status subject and from an executor on its lease subject: the server passes them
+    through as they are. Before, one of them ended the service's NATS read loop (in
+    nats-py), and nothing was answered, leased or recorded for about six minutes. Now
+    each is dropped, and requests sent right after it are answered and run."""
+
+    async def scenario() -> None:
+        nc = await connect_as(wire.server.url, wire.credentials.host("h1"))
+        host = AgentHostClient(nc, "h1")
+        attacker = await connect_as(wire.server.url, wire.credentials.host("h2"))
+        executor = await connect_as(
+            wire.server.url, wire.credentials.executor("search_documents")
+        )
+        status = b'{"operation_id":"x"}'
+        lease = b'{"operation_id":"h1/x","executor":"e"}'
+        inbox = attacker.new_inbox().encode()
+        attacks = (
+            (attacker, _raw_request(b"ops.status.h2", b"_INBOX.\xff\xfe", status)),
+            (attacker, _raw_request(b"ops.status.h2", inbox, status, b"NATS/1.0 \xff\xfe\r\n\r\n")),
+            (executor, _raw_request(b"ops.lease.search_documents",
+                                    executor.new_inbox().encode(), lease,
+                                    b"NATS/1.0 \xff\xfe\r\n\r\n")),
+        )
+        try:
+            await _normal_runs(wire, host)  # the control: it runs before
+            for sender, raw in attacks:
+                sender._transport.write(raw)  # the attacker's own bytes, as sent
+                await sender.flush()
+                await _normal_runs(wire, host)  # and right after each attack
+            # The attacker's own next, well-formed request is answered as well.
+            reply = await attacker.request(
+                Subjects.status("h2"), StatusRequest(operation_id="nobody").model_dump_json()
+                .encode(), timeout=10,
+            )
+            assert orjson.loads(reply.data)["error"]["code"] == "OPERATION_NOT_FOUND"
+        finally:
+            await host.close()
+            await attacker.close()
+            await executor.close()
+
+    _run(scenario())
+
+
 def test_text_with_control_characters_in_the_context_is_refused(wire: BackendStack) -> None:
     """Before, on PostgreSQL: `"principal": "a\u0000b"` was stored, then the view's TEXT
     column refused it on every catch-up, and the relay, the sweeps and every
