@@ -185,6 +185,7 @@ def test_a_request_nats_cannot_decode_is_dropped_and_nothing_stops(wire: Backend
         try:
             await _normal_runs(wire, host)  # the control: it runs before
             for sender, raw in attacks:
+                assert sender._transport is not None
                 sender._transport.write(raw)  # the attacker's own bytes, as sent
                 await sender.flush()
                 await _normal_runs(wire, host)  # and right after each attack
