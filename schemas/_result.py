@@ -10,6 +10,7 @@ from pydantic import Field
 
 from schemas._base import WireModel
 from schemas._errors import ErrorInfo
+from schemas._subjects import OPERATION_ID_PATTERN
 
 __all__ = [
     "CANCELLED_BEFORE_EFFECT",
@@ -65,7 +66,8 @@ class ResultEnvelope(WireModel):
     """One attempt's outcome: `data` when ok, `error` otherwise."""
 
     operation_id: str = Field(
-        description="The ledger's operation ID (`<host>/<id>`), as the lease named it."
+        pattern=OPERATION_ID_PATTERN,
+        description="The ledger's operation ID (`<host>/<id>`), as the lease named it.",
     )
     fencing_token: int = Field(ge=1)
     ok: bool

@@ -62,3 +62,21 @@ def test_a_result_cannot_claim_any_trust_but_untrusted(label: str) -> None:
         envelope | {"provenance": provenance | {"trust": label}}
     ))
     assert errors, "the published schema must refuse it too, for hosts in other languages"
+
+
+@pytest.mark.parametrize("operation_id", ["op-\x00", "h1/op\n", "h1/../op", "", "a/b/c", "x" * 300])
+def test_a_result_names_an_operation_id_as_the_ledger_writes_them(operation_id: str) -> None:
+    """Before: any string. A NUL in it reached PostgreSQL (which refuses NUL in text) and,
+    taken for an outage, failed the whole turn of other hosts' requests. Work items and
+    lease requests already held IDs to this pattern, so no executor can hold another."""
+    provenance = {"tool": "t", "tool_version": "1.0.0", "executor": "e", "attempt": 1,
+                  "latency_ms": 1.0, "completed_at": "2026-11-29T10:00:00Z"}
+    envelope = {"operation_id": "h1/op-1_a", "fencing_token": 1, "ok": True, "data": {},
+                "provenance": provenance}
+    assert ResultEnvelope.model_validate(envelope).operation_id == "h1/op-1_a"
+    with pytest.raises(ValidationError):
+        ResultEnvelope.model_validate(envelope | {"operation_id": operation_id})
+    if operation_id.endswith("\n"):
+        return  # Python's `re` lets `$` match before a final newline; ECMA-262's does not
+    schema = orjson.loads((SCHEMA_DIR / "result-envelope.schema.json").read_bytes())
+    assert not Draft202012Validator(schema).is_valid(envelope | {"operation_id": operation_id})
