@@ -14,8 +14,11 @@ from typing import Any
 
 import pytest
 
+from ledger import StorageConfig, Submission
+from ledger.domain.states import ResultDisposition
 from ledger.server.gateway import LedgerGateway, _Lane
 from schemas import OpledgerError
+from tests.ledger.helpers import ALICE, NO_HITS, make_ledger, result, search
 
 
 class _Ledger:
@@ -84,3 +87,40 @@ def test_a_single_failing_item_is_not_run_twice(size: int) -> None:
     answers = _answers(run, ["x"] * size)
     assert all(isinstance(a, OpledgerError) for a in answers)
     assert len(calls) == (1 if size == 1 else 3)
+
+
+def test_data_the_database_cannot_store_fails_its_request_alone(
+    postgres_storage: StorageConfig,
+) -> None:
+    """PostgreSQL refuses a NUL in text (`DataError`). That is the one request's data, not
+    an outage: a result carrying one (past the wire's own checks, as a future field might)
+    fails alone, while a good result and a proposal of the same turn are answered. Before,
+    the gateway took it for an outage and failed the whole turn; an executor sending such
+    results every 20 ms made other hosts' proposals fail about half the time, and good
+    results in the same batch were lost after their redeliveries."""
+    ledger = make_ledger(postgres_storage)
+    ledger.submit(search("op-run"), ALICE)
+    grant = ledger.lease("op-run", executor="exec-1")
+    good = result("op-run", grant.fencing_token, data=NO_HITS)
+    poisoned = good.model_copy(update={"operation_id": "op-\x00"})  # not validated again
+
+    async def scenario() -> list[Any]:
+        gateway = LedgerGateway(ledger)
+        gateway.start()
+        try:
+            return list(await asyncio.gather(
+                gateway.record_many([poisoned, good]),
+                gateway.submit((search("op-new"), ALICE, "h1")),
+                return_exceptions=True,
+            ))
+        finally:
+            await gateway.stop()
+
+    try:
+        (bad_answer, good_answer), proposed = asyncio.run(scenario())
+        assert isinstance(bad_answer, OpledgerError), bad_answer
+        assert good_answer is ResultDisposition.ACCEPTED
+        assert isinstance(proposed, Submission) and proposed.state.value == "ready"
+        assert ledger.get("op-run").state.value == "succeeded"
+    finally:
+        ledger.close()
