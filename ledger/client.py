@@ -24,7 +24,7 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
@@ -520,6 +520,16 @@ async def _request(
     for attempt in range(attempts):
         try:
             reply = await nc.request(subject, payload, timeout=timeout, headers=headers)
+        except MaxPayloadError:
+            # Never sent: the server takes no message this large. The caller's own
+            # mistake, told as such (an MCP client got "Internal server error").
+            raise RequestRefused(ErrorInfo(
+                code="REQUEST_TOO_LARGE",
+                category=ErrorCategory.INVALID_INPUT,
+                message=f"the request is {len(payload)} bytes, more than the NATS server"
+                f" takes in one message ({nc.max_payload} bytes): send less",
+                safe_details={"bytes": len(payload), "max_payload": nc.max_payload},
+            )) from None
         except (NatsTimeout, NoRespondersError):
             if attempt + 1 == attempts:
                 raise LedgerUnavailable("no ledger service answered") from None

@@ -191,3 +191,24 @@ async def test_a_ledger_that_does_not_answer_is_a_retryable_error_result(tmp_pat
     error = _body(result)["error"]
     assert error["code"] == "LEDGER_UNAVAILABLE"
     assert error["retryable"] is True
+
+
+async def test_a_call_larger_than_a_message_is_a_clear_error_result_and_others_go_on(
+    ledger_stack: McpStack,
+) -> None:
+    """Arguments over the NATS server's message size (1 MiB by default): nothing can be
+    sent, and the caller is told so in an `isError` result; a call beside it and calls
+    after it run. Before: the SDK's `MaxPayloadError` escaped, and the client got "Internal
+    server error" with a traceback in the gateway's log."""
+    async with ledger_stack.gateway(principal="hugo", capabilities=BOTH) as client:
+        huge, beside = await asyncio.gather(
+            client.call_tool("append_log", {"line": "x" * 1_200_000, "delay_ms": 0}),
+            client.call_tool("append_log", {"line": "beside-huge", "delay_ms": 0}),
+        )
+        after = await client.call_tool("append_log", {"line": "after-huge", "delay_ms": 0})
+    assert huge.is_error, huge
+    body = _body(huge)
+    assert body["error"]["code"] == "REQUEST_TOO_LARGE", body
+    assert not beside.is_error and not after.is_error, (beside, after)
+    assert len(_appended(ledger_stack, "beside-huge")) == 1
+    assert len(_appended(ledger_stack, "after-huge")) == 1
