@@ -30,4 +30,8 @@ class CsrfGuard:
 
     def check(self, session: str, given: str) -> bool:
         """Whether `given` is `session`'s form token (in constant time)."""
-        return hmac.compare_digest(self.token_for(session), given)
+        # As bytes: `compare_digest` raises on a str that is not ASCII (a form may send
+        # anything), which answered 500 instead of the refusal.
+        return hmac.compare_digest(
+            self.token_for(session).encode(), given.encode("utf-8", "replace")
+        )

@@ -211,6 +211,12 @@ def test_forged_forms_decide_nothing_and_the_real_one_does(page: tuple[Server, s
     server, digest = page
     with _client(server, token()) as client, _client(server, token("lead-bo")) as other:
         assert _approve(client, digest, "").status_code == 403  # no form token
+        for odd in ("é", "ü" * 64, "\x00"):  # not ASCII: refused, not a 500
+            assert _approve(client, digest, odd).status_code == 403, odd
+        response = client.post(f"/deny/{OP}", content=b"csrf=%ff%fe&reason=no",
+                               headers={"Origin": server.url,
+                                        "Content-Type": "application/x-www-form-urlencoded"})
+        assert response.status_code == 403
         foreign = _csrf(other, f"/approvals/{OP}")  # another session's
         assert _approve(client, digest, foreign).status_code == 403
         csrf = _csrf(client, f"/approvals/{OP}")
