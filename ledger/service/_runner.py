@@ -117,6 +117,10 @@ class CommandRunner:
             )
         except AggregateNotFoundError:
             raise OperationNotFound("no such operation", operation_id=operation_id) from None
+        if not isinstance(operation, Operation):
+            # A plan's ID (`<host>/<id>~plan`): not an operation, and no operation's
+            # command may run on it (an approval page's call route denied a plan so).
+            raise OperationNotFound("no such operation", operation_id=operation_id)
         return operation
 
     def history(self, operation_id: str) -> list[Any]:

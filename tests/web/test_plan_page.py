@@ -104,3 +104,29 @@ def test_the_requester_and_other_roles_cannot_decide_and_others_do_not_see_it(
         assert refused.status_code == 409 and "not_an_approver" in refused.text
         assert "Q3" not in refused.text  # the refusal shows nothing of the plan
     assert _state(server) == "awaiting_approval"
+
+
+def test_a_plans_stored_id_on_the_call_routes_is_not_found_and_decides_nothing(
+    page: tuple[Server, str],
+) -> None:
+    """The plan's own ID as the ledger stores it, on the routes of single calls. Before: the
+    call routes loaded the plan as if it were a call and answered 500, and the deny route
+    recorded `PlanDenied` first (the attack review). Now each is a call nobody has: not
+    found, or refused, and nothing is recorded."""
+    server, digest = page
+    stored = f"{PLAN}~plan"
+    with _client(server, token("carol", ("files-admins",))) as client:
+        csrf = _csrf(client, f"/plans/{PLAN}")
+        for path in (f"/approvals/{stored}", f"/operations/{stored}"):
+            assert client.get(path).status_code == 404, path
+        for path, form in (
+            (f"/approve/{stored}", {"proposal_hash": digest, "csrf": csrf}),
+            (f"/deny/{stored}", {"reason": "no", "csrf": csrf}),
+        ):
+            response = _post(client, path, form)
+            assert response.status_code in (404, 409), (path, response.status_code)
+        assert _state(server) == "awaiting_approval"
+        # The plan's own route still decides (the control).
+        done = _post(client, f"/approve-plan/{PLAN}", {"plan_hash": digest, "csrf": csrf})
+        assert done.status_code == 303, done.text
+        assert _state(server) == "running"
