@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-import psycopg
-from eventsourcing.persistence import DataError, IntegrityError, PersistenceError
+from eventsourcing.persistence import IntegrityError
 
+from ledger.adapters.failures import is_outage
 from ledger.domain.errors import InvalidArgument, LedgerError
 from ledger.domain.states import ResultDisposition
 from ledger.service import Ledger, Submission, SubmitItem
@@ -65,24 +64,6 @@ class InternalFailure(OpledgerError):
     category = ErrorCategory.INTERNAL
     code = "LEDGER_UNAVAILABLE"
     retryable = True
-
-
-_OUTAGES: tuple[type[Exception], ...] = (
-    PersistenceError,
-    sqlite3.Error,
-    psycopg.Error,
-    OSError,
-)
-"""Failures of the database itself, not of any one request."""
-
-_BAD_DATA: tuple[type[Exception], ...] = (DataError, psycopg.DataError, sqlite3.DataError)
-"""What the database says about one request's data (PostgreSQL cannot store a NUL in
-text): that request's failure. Taken for an outage, one executor's malformed result
-failed every proposal, lease and result of its turn (an attack review reproduced it)."""
-
-
-def _outage(exc: Exception) -> bool:
-    return isinstance(exc, _OUTAGES) and not isinstance(exc, _BAD_DATA)
 
 
 def _failure(cause: Exception) -> InternalFailure:
@@ -309,7 +290,7 @@ class LedgerGateway:
             return lane.run(items)
         except Exception as exc:
             _log.exception("ledger batch of %d failed", len(items))
-            if len(items) == 1 or _outage(exc):
+            if len(items) == 1 or is_outage(exc):
                 return [_failure(exc)] * len(items)
         answers: list[Any] = []
         for item in items:
@@ -364,7 +345,7 @@ class LedgerGateway:
             with self.ledger.runner.one_append():
                 return [lane.run(items) for lane, items in turn]
         except Exception as exc:
-            if _outage(exc) and not isinstance(exc, IntegrityError):
+            if is_outage(exc) and not isinstance(exc, IntegrityError):
                 # The database is down: every lane would wait out the same timeout.
                 _log.exception("ledger batches failed together")
                 return [[_failure(exc)] * len(items) for _, items in turn]

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
-import psycopg
-from eventsourcing.persistence import PersistenceError
-
+from ledger.adapters.failures import is_outage
 from ledger.domain.errors import LedgerError
 from ledger.domain.operation import ALLOWED, Operation
 from ledger.projections.operations_view import OperationsProjector
@@ -92,9 +89,9 @@ class Sweeps:
             return self._runner.update(operation_id, command)
         except LedgerError as exc:
             _log.warning("sweep: %s not expired: %s", operation_id, exc)
-        except (PersistenceError, sqlite3.Error, psycopg.Error):
-            raise
-        except Exception:
+        except Exception as exc:
+            if is_outage(exc):
+                raise
             _log.exception("sweep: %s cannot be expired", operation_id)
         return False
 

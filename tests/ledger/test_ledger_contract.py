@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sqlite3
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -393,6 +394,35 @@ def test_an_operation_whose_events_cannot_be_read_does_not_stop_the_sweep(
     now[0] += timedelta(minutes=16)
     assert later.expire_approvals() == ["mail-due"]
     assert later.get("mail-due").state is S.APPROVAL_EXPIRED
+
+
+def test_a_database_failing_ends_the_sweep_and_one_operations_bad_data_does_not(
+    storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep asks `is_outage`, as the gateway does: a database that fails is no one
+    operation's fault (the sweep ends, and says so); data the database refuses for one
+    operation is that operation's (it is skipped, and the next expires)."""
+    now = [datetime(2026, 11, 29, 12, 0, tzinfo=UTC)]
+    ledger = make_ledger(storage, clock=lambda: now[0])
+    for operation_id in ("mail-first", "mail-second"):
+        ledger.submit(email(operation_id), ALICE)
+        now[0] += timedelta(seconds=1)
+    now[0] += timedelta(minutes=16)
+    update = ledger.runner.update
+
+    def failing(failure: Exception) -> Any:
+        def first_fails(operation_id: str, command: Any, **options: Any) -> Any:
+            if operation_id == "mail-first":
+                raise failure
+            return update(operation_id, command, **options)
+
+        return first_fails
+
+    monkeypatch.setattr(ledger.runner, "update", failing(sqlite3.OperationalError("locked")))
+    with pytest.raises(sqlite3.OperationalError):
+        ledger.expire_approvals()
+    monkeypatch.setattr(ledger.runner, "update", failing(sqlite3.DataError("bad text")))
+    assert ledger.expire_approvals() == ["mail-second"]
 
 
 def test_a_view_made_before_keeps_expiries_in_the_events_form_and_still_sweeps(
