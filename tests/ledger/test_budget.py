@@ -338,19 +338,25 @@ def _over_a_fake_view(*, served: bool) -> tuple[_Clocks, _FakeView, LedgerBudget
     return clocks, view, budget
 
 
+def _hour_counter(clocks: _Clocks, budget: LedgerBudgetCounter) -> Callable[[], int]:
+    """`_KEY`'s count over the last hour, each time two seconds of the process later
+    (so that no answer is reused)."""
+
+    def count() -> int:
+        clocks.process += 2
+        return budget.count(**_KEY, since=clocks.now - timedelta(hours=1))
+
+    return count
+
+
 def test_a_call_checked_long_before_it_is_stored_holds_its_bucket_open() -> None:
     """A bucket settles only once the view holds all of this process's calls in it,
     those checked and not stored yet included (a save held to the end of a turn)."""
     clocks, view, budget = _over_a_fake_view(served=True)
-    key = _KEY
-
-    def count() -> int:
-        clocks.process += 2
-        return budget.count(**key, since=clocks.now - timedelta(hours=1))
-
+    count = _hour_counter(clocks, budget)
     checked_at = clocks.now
     assert count() == 0
-    budget.note_pending(**key, operation_id="op-x", at=checked_at)
+    budget.note_pending(**_KEY, operation_id="op-x", at=checked_at)
     budget.clear_pending()  # the batch ended; its save waits
     clocks.now += timedelta(seconds=40)
     assert count() == 0  # not stored: not counted, and its bucket not settled either
@@ -368,15 +374,10 @@ def test_a_call_saved_late_is_still_counted_once_the_view_holds_it() -> None:
     stays open until it is stored and the view holds it (the attack review's case: it
     was forgotten after 30 s, its bucket settled without it, and the hour missed it)."""
     clocks, view, budget = _over_a_fake_view(served=True)
-    key = _KEY
-
-    def count() -> int:
-        clocks.process += 2
-        return budget.count(**key, since=clocks.now - timedelta(hours=1))
-
+    count = _hour_counter(clocks, budget)
     checked_at = clocks.now
     assert count() == 0
-    budget.note_pending(**key, operation_id="op-x", at=checked_at)
+    budget.note_pending(**_KEY, operation_id="op-x", at=checked_at)
     budget.clear_pending()  # the batch ended; its save waits
     clocks.now += timedelta(seconds=45)
     clocks.process += 31
