@@ -385,6 +385,9 @@ class Settings:
     """Events stored before the service starts (the scale run), 0 for an empty ledger."""
     budget: int = 0
     """The no-op's budget, calls per hour (0: none)."""
+    services: int = 1
+    """Ledger service processes sharing the request subjects (PostgreSQL only: the
+    production topology's queue groups; one of them relays)."""
 
     @property
     def label(self) -> str:
@@ -398,6 +401,8 @@ class Settings:
             label += f" prefill={self.prefill:,}"
         if self.budget:
             label += f" budget={self.budget:,}/h"
+        if self.services > 1:
+            label += f" services={self.services}"
         return label
 
 
@@ -417,6 +422,8 @@ class Stack:
         self.bench_seed = home / "bench-raw.nk"
         self.contracts = _contracts_dir(home, settings.budget)
         self.service: subprocess.Popen[bytes] | None = None
+        """The first service (the one `--service-patches` and `--profile` also reach)."""
+        self.services: list[subprocess.Popen[bytes]] = []
         self.executors: list[subprocess.Popen[bytes]] = []
         self.prefill_report: str | None = None
         self.raw_workers: list[subprocess.Popen[bytes]] = []
@@ -469,22 +476,35 @@ class Stack:
         self.server.start()
         if self.settings.prefill:
             self.prefill_report = prefill_ledger(self, self.settings.prefill)
-        self.service = self._spawn(
-            "ledger.server",
-            [
-                *self._database_args(),
-                "--nats-url", self.url,
-                "--creds", str(self.credentials.ledger.seed_path),
-                "--contracts", str(self.contracts),
-                "--tools", TOOL,
-                "--ack-wait", "30",
-                "--lease-grace", "5",
-                "--log-level", self.settings.service_log_level,
-            ],
-            "service",
-            self.settings.service_patches,
-        )
-        await self._wait_for_service()
+        for index in range(self.settings.services):
+            self.services.append(self._spawn(
+                "ledger.server",
+                [
+                    *self._database_args(),
+                    "--nats-url", self.url,
+                    "--creds", str(self.credentials.ledger.seed_path),
+                    "--contracts", str(self.contracts),
+                    "--tools", TOOL,
+                    "--ack-wait", "30",
+                    "--lease-grace", "5",
+                    "--log-level", self.settings.service_log_level,
+                ],
+                "service" if index == 0 else f"service-{index}",
+                self.settings.service_patches,
+            ))
+            if index == 0:
+                # The first creates the schema and the streams; the others join it.
+                self.service = self.services[0]
+                await self._wait_for_service()
+        if len(self.services) > 1:
+            # The others have no status of their own to probe (any instance may
+            # answer one): they must be up and still running after a while.
+            await asyncio.sleep(3.0)
+            for index, process in enumerate(self.services[1:], start=1):
+                if process.poll() is not None:
+                    raise RuntimeError(
+                        f"ledger service {index} exited:\n{self.log(f'service-{index}')}"
+                    )
         for index in range(self.settings.executors):
             self.executors.append(self._spawn(
                 "executors",
@@ -573,7 +593,7 @@ class Stack:
         assert self.server is not None and self.service is not None
         return {
             "nats-server": [self.server.pid] if self.server.pid else [],
-            "service": [self.service.pid],
+            "service": [process.pid for process in self.services],
             "executors": [p.pid for p in self.executors],
             "raw-workers": [p.pid for p in self.raw_workers],
         }
@@ -592,6 +612,8 @@ class Stack:
             _stop(process, f"raw-{index}")
         for index, process in enumerate(self.executors):
             _stop(process, f"exec-{index}")
+        for index, process in enumerate(self.services[1:], start=1):
+            _stop(process, f"service-{index}", 45.0 if self.settings.profile else 15.0)
         if self.service is not None:
             # Its shutdown sometimes waits out nats-py's 30 s drain timeout; a
             # profiled service must get that long, or it dies before writing.
@@ -954,7 +976,7 @@ async def _quiesce(stack: Stack, timeout_s: float = 180.0, window_s: float = 0.5
     phase meanwhile would charge that work to it.
     """
     assert stack.service is not None
-    pids = [stack.service.pid, *(p.pid for p in stack.executors)]
+    pids = [*(p.pid for p in stack.services), *(p.pid for p in stack.executors)]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         before = sum(cpu_seconds(pid) for pid in pids)
@@ -1188,6 +1210,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=_ints, default=[0],
                         help="the no-op's budget in calls per hour, a list: e.g. 0,100000000"
                         " runs each without and with one (0: none)")
+    parser.add_argument("--services", type=_ints, default=[1],
+                        help="ledger service processes sharing the request subjects, a"
+                        " list: e.g. 1,2 (PostgreSQL only: the production topology)")
     parser.add_argument("--storage", type=lambda s: [m for m in s.split(",") if m],
                         default=["sqlite"],
                         help="sqlite and/or postgres (a fresh schema at"
@@ -1197,12 +1222,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _main(args: argparse.Namespace, root: Path) -> None:
     reports = []
-    for storage, prefill, budget, executors, batch in itertools.product(
-        args.storage, args.prefill, args.budget, args.executors, args.batch
+    for storage, prefill, budget, services, executors, batch in itertools.product(
+        args.storage, args.prefill, args.budget, args.services, args.executors, args.batch
     ):
+        if services > 1 and storage != "postgres":
+            print(f"(skipping {storage} with {services} services: one SQLite file has"
+                  " one writer; several services share a PostgreSQL)")
+            continue
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
                             args.service_patches, args.executor_patches, storage, prefill,
-                            budget)
+                            budget, services)
         reports.append(await run_config(settings, args, root))
         print_report(reports[-1], args)
         sys.stdout.flush()

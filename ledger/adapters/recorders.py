@@ -145,6 +145,10 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
             ") AS appended(notification_id)"
         ).format(schema=schema, function=function)
         self._function_missing = False
+        self.backend_pids: set[int] = set()
+        """The PostgreSQL backends this recorder appended through: each append's NOTIFY
+        names its backend, so a listener can tell this process's appends from other
+        writers' (`ledger.adapters.append_notices`)."""
 
     def create_table(self) -> None:
         """Create the library's types, tables and functions, and ours, one creator
@@ -223,6 +227,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow]
     ) -> list[int]:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            self.backend_pids.add(conn.info.backend_pid)
             curs.execute(
                 self._append,
                 (
@@ -246,6 +251,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         # Only without the function (see `insert_events`): the library's order, lock,
         # notify, insert (its caller syncs the pipeline and reads the RETURNING rows),
         # with the kept texts under the lock and the events from the same arrays.
+        self.backend_pids.add(curs.connection.info.backend_pid)
         self._lock_table(curs)
         self._notify_channel(curs)
         if results:

@@ -28,7 +28,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from pydantic import BaseModel, ValidationError
 
+from ledger.adapters.append_notices import AppendNotices
 from ledger.adapters.event_tables import StoredRow
+from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.domain.states import TERMINAL_STATES, ResultDisposition
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
@@ -187,12 +189,14 @@ def relay_ports(
     taken_over: Callable[[], object] | None = None,
     refresh_soon: Callable[[], object] | None = None,
     rows_after: Callable[[int, int], Sequence[StoredRow]] | None = None,
+    forget_appended: Callable[[], object] | None = None,
 ) -> RelayPorts:
     """The relay's ports on a real ledger: the composition root's one look inside it
     (`observe`: who else reads each batch of events, the plan follower; `taken_over`:
     what it does when this instance starts relaying; `refresh_soon`: a view refresher's,
     if the view is refreshed on a thread of its own; `rows_after`: where the relay
-    reads the log, the table itself unless given)."""
+    reads the log, the table itself unless given; `forget_appended`: what forgets the
+    rows `rows_after` kept from this process's appends, when another writer appends)."""
     catalog = ledger.checker.catalog
 
     def sensitive_arguments(tool: str) -> tuple[str, ...]:
@@ -219,6 +223,21 @@ def relay_ports(
         observe=observe,
         taken_over=taken_over,
         refresh_soon=refresh_soon,
+        forget_appended=forget_appended,
+    )
+
+
+def _append_notices(ledger: Ledger, relay: Relay) -> AppendNotices | None:
+    """On PostgreSQL, a listener that wakes `relay` for other instances' appends."""
+    storage = ledger.events.storage
+    recorder = ledger.events.recorder
+    if storage.postgres_dsn is None or not isinstance(recorder, ArrayInsertRecorder):
+        return None  # SQLite: one writer, this process
+    return AppendNotices(
+        storage.postgres_dsn,
+        recorder.channel_name,
+        own_backends=lambda: recorder.backend_pids,
+        on_notice=relay.others_appended,
     )
 
 
@@ -240,7 +259,9 @@ def build_relay(
     # when it provably follows the relay's position (`AppendedRows`).
     appended = AppendedRows(ledger.stored_rows_after)
     ledger.runner.on_stored(appended.add)
-    ports = relay_ports(ledger, observe, taken_over, refresh_soon, appended.rows_after)
+    ports = relay_ports(
+        ledger, observe, taken_over, refresh_soon, appended.rows_after, appended.forget
+    )
     return relay(gateway, nc, ports, RelayPositions(ledger.db), **options)
 
 
@@ -333,6 +354,8 @@ class LedgerService:
         self._plans = PlanFollower()
         self.view_refresher: ViewRefresher | None = None
         self._sweep_reads: SweepReads | None = None
+        self.append_notices: AppendNotices | None = None
+        """On PostgreSQL: other instances' appends, heard as they happen (for the relay)."""
 
     async def _on_reconnected(self) -> None:
         # The server dropped the results consumer's open pull requests.
@@ -729,6 +752,9 @@ class LedgerService:
             refresh_soon=self.view_refresher.refresh_soon if self.view_refresher else None,
         )
         self.relay.start()
+        self.append_notices = _append_notices(self.ledger, self.relay)
+        if self.append_notices is not None:
+            self.append_notices.start()
         if self.options.redispatch_after is not None:
             catalog = self.ledger.checker.catalog
             self._redispatcher = Redispatcher(
@@ -755,6 +781,8 @@ class LedgerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._requests is not None:
             await self._requests.stop()
+        if self.append_notices is not None:
+            await self.append_notices.stop()
         if self.relay is not None:
             await self.relay.stop()
         if self._results is not None:

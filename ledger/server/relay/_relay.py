@@ -35,7 +35,10 @@ __all__ = ["Relay", "RelayPorts"]
 
 _log = logging.getLogger("ledger.server.relay")
 
-_POLL_S = 0.25  # how often the relay looks for events that other instances wrote
+# How often the relay looks for events that other instances wrote. On PostgreSQL their
+# appends' notices wake it at once (`others_appended`); the poll is what is left when a
+# notice is lost, and the takeover of a relay lease another instance gave up.
+_POLL_S = 0.25
 # How far the operations view (and the seal) may fall behind while events flow. Every
 # refresh is its own transactions (view, then seal: about eight statements); at 0.02 s
 # they were a fifth of the service's PostgreSQL statements. Readers of the view fold in
@@ -79,6 +82,10 @@ class RelayPorts:
     """Ask for `refresh` to run elsewhere without waiting for it (a thread of its own,
     `ledger.server.view_refresher`); the relay then refreshes inline only when it needs
     a route the view must know. None: every refresh inline."""
+    forget_appended: Callable[[], object] | None = None
+    """Another writer appended: forget the rows this process kept for the relay
+    (`AppendedRows.forget`), which end where this process's appends end and so
+    would hide the other's rows until the next poll. None: nothing kept."""
     taken_over: Callable[[], object] | None = None
     """Called when this instance takes the relay lease (at its first batch, or from
     another instance): whoever learns from `observe` missed what the relay read
@@ -136,6 +143,15 @@ class Relay:
     def start(self) -> None:
         """Run the relay until `stop`."""
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-relay")
+
+    def others_appended(self) -> None:
+        """Another instance appended events (`ledger.adapters.append_notices`): publish
+        them now, not at the next poll. Nothing while another instance relays: waking
+        would only ask for the relay lease again."""
+        if self._position is not None:
+            if self._ports.forget_appended is not None:
+                self._ports.forget_appended()
+            self._gateway.written.set()
 
     async def stop(self) -> None:
         """Stop relaying (what was not published is published by the next relay)."""

@@ -92,6 +92,12 @@ class AppendedRows:
             self.reads += 1
         return self._read(position, limit)
 
+    def forget(self) -> None:
+        """Another writer appended (its notice came): rows of its may follow the kept ones,
+        where contiguity cannot see them, so the next read is the table's."""
+        with self._lock:
+            self._clear()
+
     @property
     def kept(self) -> tuple[int, int]:
         """The rows kept and their states' bytes (for tests)."""
