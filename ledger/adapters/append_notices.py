@@ -9,16 +9,24 @@ median of 48 ms from submit to lease against 4.7 ms with one
 (`bench/e2e_bench.py --storage postgres --services 1,2`).
 
 Every append already sends a NOTIFY on the events table's channel (the
-library's, kept by `ledger.adapters.recorders`). `AppendNotices` listens on a
-connection of its own, on the event loop (psycopg's asyncio connection: no
-thread), and calls back for each notice another backend sent. This process's
-own appends are told apart by the backend that sent them (the recorder keeps
-the backends it appended through): the relay learns of those from the gateway
-already, and a wake-up for them would cost a read for nothing.
+library's, kept by `ledger.adapters.recorders`, which names the operations
+appended in its payloads). `AppendNotices` listens on a connection of its own,
+on the event loop (psycopg's asyncio connection: no thread), and calls back for
+each notice another backend sent. This process's own appends are told apart by
+the backend that sent them (the recorder keeps the backends it appended
+through): the relay learns of those from the gateway already, and a wake-up for
+them would cost a read for nothing.
 
-A notice only makes the relay look sooner. Lost notices (a dropped connection,
-a backend ID another writer reused) cost the old poll's delay, never an event:
-the poll stays, and the relay reads the log by position, not from notices.
+The names serve the command runner's cache as well. An instance keeps the
+operations it last wrote; once another instance writes one of them, that copy is
+stale, and a command on it costs a failed append (the version check) and the
+whole turn run again step by step. With the operation IDs of each notice, the
+instance drops those copies first and loads the operation once instead.
+
+A notice only makes the relay look sooner and a copy be loaded again. Lost
+notices (a dropped connection, a backend ID another writer reused) cost the old
+poll's delay and a failed append, never an event or a wrong answer: the poll
+stays, the relay reads the log by position, and every append checks versions.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import psycopg
 from psycopg.sql import SQL, Identifier
+
+from ledger.adapters.recorders import NOTICE_SEPARATOR
 
 __all__ = ["AppendNotices"]
 
@@ -39,6 +49,9 @@ _log = logging.getLogger(__name__)
 class AppendNotices:
     """Listens for the events table's NOTIFY and calls `on_notice` for other writers'.
 
+    `on_notice` gets the operation IDs the append named (`ledger.adapters.recorders`
+    `notice_payloads`), or none: an append by the library's own statements, or the
+    one look taken when listening starts, after which nothing was missed any more.
     `own_backends`: the backend IDs whose notices are this process's own appends
     (asked at each notice: the recorder's set grows as its pool opens connections).
     """
@@ -49,7 +62,7 @@ class AppendNotices:
         channel: str,
         *,
         own_backends: Callable[[], Collection[int]],
-        on_notice: Callable[[], object],
+        on_notice: Callable[[Sequence[str]], object],
         retry_after_s: float = 1.0,
         retry_at_most_s: float = 30.0,
     ) -> None:
@@ -109,13 +122,14 @@ class AppendNotices:
             self.backend_pid = conn.info.backend_pid
             self.listening.set()
             # What was appended while nobody listened is found by looking once now.
-            self._on_notice()
+            self._on_notice(())
             async for notice in conn.notifies():
                 if notice.pid in self._own_backends():
                     continue
                 self.heard += 1
+                named = notice.payload.split(NOTICE_SEPARATOR) if notice.payload else ()
                 try:
-                    self._on_notice()
+                    self._on_notice(named)
                 except Exception:  # a listener's failure never ends the listening
                     _log.exception("acting on another instance's append failed")
         finally:

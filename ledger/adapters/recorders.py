@@ -58,7 +58,7 @@ from eventsourcing.utils import retry
 from psycopg import Cursor
 from psycopg.errors import DuplicateObject, UndefinedFunction
 from psycopg.rows import DictRow
-from psycopg.sql import SQL, Composed, Identifier
+from psycopg.sql import SQL, Composed, Identifier, Literal
 
 from ledger.adapters.creation_lock import take_creation_lock
 
@@ -101,10 +101,20 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         # on each other's rows.
         body = SQL(
             " RETURNS SETOF bigint LANGUAGE plpgsql AS $BODY$"
+            " DECLARE notice text;"
             " BEGIN"
             "  SET LOCAL lock_timeout = '{lock_timeout}s';"
             "  LOCK TABLE {schema}.{table} IN EXCLUSIVE MODE;"
-            "  NOTIFY {channel};"
+            # What was appended, named: the operation IDs, in payloads under
+            # PostgreSQL's 8,000 bytes (`append_notices`), so that another instance
+            # drops its copies of them before it acts on a stale one.
+            "  IF cardinality(notices) = 0 THEN"
+            "   NOTIFY {channel};"
+            "  ELSE"
+            "   FOREACH notice IN ARRAY notices LOOP"
+            "    PERFORM pg_notify({channel_name}, notice);"
+            "   END LOOP;"
+            "  END IF;"
             # Only when there are texts: an event store without a ledger (the ledger
             # bench) has no results table.
             "  IF cardinality(refs) > 0 THEN"
@@ -124,6 +134,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
             results=Identifier(_RESULTS),
             lock_timeout=datastore.lock_timeout,
             channel=Identifier(self.channel_name),
+            channel_name=Literal(self.channel_name),
         )
         # Named after its own text: instances of two releases (a rolling upgrade)
         # each call the body they were built with, never one another's, and the
@@ -135,14 +146,14 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
             SQL(
                 "CREATE OR REPLACE FUNCTION {schema}.{function}("
                 " ids text[], versions int8[], topics text[], states bytea[],"
-                " refs text[], operations text[], envelopes text[])"
+                " refs text[], operations text[], envelopes text[], notices text[])"
             ).format(schema=schema, function=function)
             + body
         )
         self._append: Composed = SQL(
             "SELECT notification_id FROM {schema}.{function}("
-            "%b::text[], %b::int8[], %b::text[], %b::bytea[], %b::text[], %b::text[], %b::text[]"
-            ") AS appended(notification_id)"
+            "%b::text[], %b::int8[], %b::text[], %b::bytea[], %b::text[], %b::text[], %b::text[],"
+            " %b::text[]) AS appended(notification_id)"
         ).format(schema=schema, function=function)
         self._function_missing = False
         self.backend_pids: set[int] = set()
@@ -235,6 +246,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
                     [row[0] for row in results],
                     [row[1] for row in results],
                     [row[2] for row in results],
+                    notice_payloads(stored_events),
                 ),
                 prepare=True,
             )
@@ -273,6 +285,29 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         return SQL(_INSERT_RESULTS.format(table="{schema}.{table}", marks="%s, %s, %s")).format(
             schema=Identifier(self.datastore.schema), table=Identifier(_RESULTS)
         )
+
+
+NOTICE_SEPARATOR = " "
+"""Between the operation IDs of one append's notice (IDs hold no spaces)."""
+_NOTICE_BYTES = 7_000  # PostgreSQL refuses a payload of 8,000 bytes or more
+
+
+def notice_payloads(stored_events: Sequence[StoredEvent]) -> list[str]:
+    """The IDs of the operations appended, as the payloads of the append's notices: as
+    few as fit under PostgreSQL's payload limit, each ID in one of them only."""
+    payloads: list[str] = []
+    current: list[str] = []
+    size = 0
+    for operation_id in dict.fromkeys(str(event.originator_id) for event in stored_events):
+        length = 1 + len(operation_id.encode())
+        if current and size + length > _NOTICE_BYTES:
+            payloads.append(NOTICE_SEPARATOR.join(current))
+            current, size = [], 0
+        current.append(operation_id)
+        size += length
+    if current:
+        payloads.append(NOTICE_SEPARATOR.join(current))
+    return payloads
 
 
 def _event_columns(

@@ -228,16 +228,21 @@ def relay_ports(
 
 
 def _append_notices(ledger: Ledger, relay: Relay) -> AppendNotices | None:
-    """On PostgreSQL, a listener that wakes `relay` for other instances' appends."""
+    """On PostgreSQL, a listener for other instances' appends: it wakes `relay`, and drops
+    this process's copies of the operations they appended to."""
     storage = ledger.events.storage
     recorder = ledger.events.recorder
     if storage.postgres_dsn is None or not isinstance(recorder, ArrayInsertRecorder):
         return None  # SQLite: one writer, this process
+    def on_notice(operation_ids: Sequence[str]) -> None:
+        ledger.runner.evict(operation_ids)  # before any command could use a stale copy
+        relay.others_appended()
+
     return AppendNotices(
         storage.postgres_dsn,
         recorder.channel_name,
         own_backends=lambda: recorder.backend_pids,
-        on_notice=relay.others_appended,
+        on_notice=on_notice,
     )
 
 

@@ -223,6 +223,14 @@ class CommandRunner:
             for operation_id in operation_ids:
                 self._cache.pop(operation_id, None)
 
+    def evict(self, operation_ids: Iterable[str]) -> None:
+        """Drop the cached copies of operations another writer has just appended to
+        (`ledger.adapters.append_notices`): a command then loads the stored state
+        once, instead of failing its append on a stale copy and running again."""
+        with self._cache_lock:
+            for operation_id in operation_ids:
+                self._cache.pop(operation_id, None)
+
     @contextmanager
     def one_append(self) -> Iterator[None]:
         """Every save inside the block becomes one append at its end.

@@ -29,7 +29,7 @@ from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastor
 from ledger import Ledger, StorageConfig
 from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
 from ledger.adapters.eventstore import EventStoreApp
-from ledger.adapters.recorders import ArrayInsertRecorder
+from ledger.adapters.recorders import ArrayInsertRecorder, notice_payloads
 from ledger.adapters.sql import SqlDatabase
 from ledger.domain.states import ResultDisposition
 from tests.conftest import drop_schema, postgres_storage_or_skip
@@ -167,7 +167,7 @@ def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order
     ):
         listener.execute(f'LISTEN "{ours.channel_name}"')
         rows = other.execute(
-            ours._append, (["host/other"], [1], ["t"], [b"{}"], [], [], [])
+            ours._append, (["host/other"], [1], ["t"], [b"{}"], [], [], [], ["host/other"])
         ).fetchall()
         first = rows[0][0]
         held = watcher.execute(
@@ -191,6 +191,28 @@ def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order
         # Each append notified the log's readers once it committed.
         notices = list(listener.notifies(timeout=5, stop_after=2))
         assert [notice.channel for notice in notices] == [ours.channel_name] * 2
+        # Naming what each appended, for other instances' caches (`append_notices`).
+        assert [notice.payload for notice in notices] == ["host/other", "host/ours"]
+
+
+def test_an_append_of_many_operations_names_each_once_in_notices_postgresql_accepts(
+    two_stores: tuple[EventStoreApp, PostgresApplicationRecorder, StorageConfig],
+) -> None:
+    # 120 operations with IDs of the longest kind (257 characters), three events each:
+    # 31 KB of names, four times what one notice may carry.
+    app, _, storage = two_stores
+    ours = app.recorder
+    assert isinstance(ours, ArrayInsertRecorder)
+    ids = [f"{'h' * 128}/{n:0128d}" for n in range(120)]
+    events = [StoredEvent(i, version, "t", b"{}") for i in ids for version in (1, 2, 3)]
+    payloads = notice_payloads(events)
+    assert len(payloads) > 1 and all(len(p.encode()) < 8000 for p in payloads)
+    with psycopg.connect(storage.postgres_dsn or "", autocommit=True) as listener:
+        listener.execute(f'LISTEN "{ours.channel_name}"')
+        assert ours.insert_events(events)
+        notices = list(listener.notifies(timeout=5, stop_after=len(payloads)))
+    named = [name for notice in notices for name in notice.payload.split(" ")]
+    assert named == ids
 
 
 def test_without_its_function_the_recorder_appends_statement_by_statement(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -20,7 +20,7 @@ from ledger import Ledger, StorageConfig
 from ledger.adapters.append_notices import AppendNotices
 from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.nats import Role
-from ledger.server.app import build_relay
+from ledger.server.app import _append_notices, build_relay
 from ledger.server.gateway import LedgerGateway
 from ledger.server.relay import Relay
 from ledger.server.relay import _relay as relay_loop
@@ -43,14 +43,22 @@ async def _until(check: Callable[[], Any], what: str, timeout_s: float = 15.0) -
         await asyncio.sleep(0.05)
 
 
-def _notices(ledger: Ledger, relay: Relay, storage: StorageConfig) -> AppendNotices:
+def _notices(
+    ledger: Ledger, relay: Relay, storage: StorageConfig, named: list[str] | None = None
+) -> AppendNotices:
     recorder = ledger.events.recorder
     assert isinstance(recorder, ArrayInsertRecorder)
+
+    def on_notice(operation_ids: Sequence[str]) -> None:
+        if named is not None:
+            named.extend(operation_ids)
+        relay.others_appended()
+
     return AppendNotices(
         storage.postgres_dsn or "",
         recorder.channel_name,
         own_backends=lambda: recorder.backend_pids,
-        on_notice=relay.others_appended,
+        on_notice=on_notice,
         retry_after_s=0.1,
     )
 
@@ -81,7 +89,8 @@ async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends
         await asyncio.sleep(1.5)
         assert await _work_items(js) == before, "the poll is an hour away: nothing may go out"
 
-        notices = _notices(relaying, relay, postgres_storage)
+        named: list[str] = []
+        notices = _notices(relaying, relay, postgres_storage, named)
         notices.start()
         try:
             # Listening starts with one look: what was appended unheard goes out now.
@@ -100,6 +109,8 @@ async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends
             await _until(lambda: _equals(js, before + 4), "both appends relayed")
             await asyncio.sleep(0.5)
             assert notices.heard == heard + 1
+            # Each notice named what it appended: only the other instance's operations.
+            assert named == ["op-notice-1", "op-notice-3"]
         finally:
             await notices.stop()
             await relay.stop()
@@ -149,3 +160,37 @@ async def test_a_killed_listening_connection_is_said_and_listened_again(
             await relay.stop()
     relaying.close()
     other.close()
+
+
+async def test_a_copy_another_instance_made_stale_is_dropped_before_a_command_uses_it(
+    nats_env: NatsEnv, postgres_storage: StorageConfig
+) -> None:
+    # The service's own wiring (`ledger.server.app`): B submitted the operation and
+    # holds its copy; A leases it. Without the notice, B's next command would run on
+    # the copy, fail its append on the version check, and run its turn again.
+    a, b = make_ledger(postgres_storage), make_ledger(postgres_storage)
+    gateway = LedgerGateway(b)
+    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        relay = build_relay(gateway, probe.nc)
+        notices = _append_notices(b, relay)
+        assert notices is not None
+        notices.start()
+        try:
+            await asyncio.wait_for(notices.listening.wait(), 10)
+            b.submit(search("op-stale-0"), ALICE)
+            b.submit(search("op-stale-1"), ALICE)
+            copy = b.runner.cached("op-stale-0")
+            assert copy is not None and copy.version == 3
+            a.lease("op-stale-0", executor="exec-1")
+            await _until(
+                lambda: asyncio.sleep(0, b.runner.cached("op-stale-0") is None),
+                "B's stale copy dropped",
+            )
+            assert notices.heard == 1
+            assert b.runner.cached("op-stale-1") is not None  # nobody else wrote it
+            # B answers from the stored state: the lease is A's.
+            assert b.status("op-stale-0").state == "executing"
+        finally:
+            await notices.stop()
+    a.close()
+    b.close()

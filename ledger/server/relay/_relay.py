@@ -179,6 +179,14 @@ class Relay:
                 log_failure(_log, "relay failed; retrying", exc)
                 self._position = None  # read the position again from the row
                 await asyncio.sleep(1)
+            if self._position is None:
+                # Another instance relays: this one asks for the lease at each poll
+                # only. Its own batches are the holder's to publish, and asking after
+                # each was a query per batch (a tenth of a standby's loop with two
+                # services on PostgreSQL).
+                await asyncio.sleep(_POLL_S)
+                written.clear()
+                continue
             # Woken by the gateway after each batch, and by the poll timer for
             # what other instances write (no timeout wrapper per wait: a task
             # and a timer per wake-up add up at low rates).
