@@ -8,7 +8,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import Field, WithJsonSchema, model_validator
 
-from schemas._base import WireModel
+from schemas._base import WireModel, left_out_while_none
 from schemas._canonical import DIGEST_PATTERN, Digest, canonical_json, sha256_hex
 from schemas._decision import Decision
 from schemas._errors import ErrorInfo
@@ -352,12 +352,12 @@ class LeaseRequest(WireModel):
     )
     preview: PreviewReport | None = Field(
         default=None,
+        exclude_if=left_out_while_none,
         description="After a `preview` answer: the preview this executor ran. Nothing is"
         " leased; the ledger records the first preview of a call and answers `done`."
         " Left out when there is none.",
     )
 
-    omitted_when_none = frozenset({"preview"})
 
 
 class LeaseDecision(StrEnum):
@@ -402,6 +402,7 @@ class LeaseReply(WireModel):
     proposal_hash: Digest | None = None
     preview_hash: Digest | None = Field(
         default=None,
+        exclude_if=left_out_while_none,
         description="With execute: the digest of the preview the approvers approved; the"
         " executor previews the call again and does not run it if the effect differs."
         " Left out when the call was not previewed.",
@@ -424,7 +425,6 @@ class LeaseReply(WireModel):
         " that the tool scopes its work by it (the tenant, above all).",
     )
 
-    omitted_when_none = frozenset({"preview_hash"})
 
 
 class CancelRequest(WireModel):
@@ -498,6 +498,7 @@ class ApproverRequest(WireModel):
     )
     plan_id: str | None = Field(
         default=None,
+        exclude_if=left_out_while_none,
         pattern=OPERATION_ID_PATTERN,
         description="For a plan: the ledger's `<host>/<plan id>`; one approval decides every"
         " step of it. Left out when deciding on a single call.",
@@ -510,6 +511,7 @@ class ApproverRequest(WireModel):
     )
     preview_hash: str | None = Field(
         default=None,
+        exclude_if=left_out_while_none,
         pattern=DIGEST_PATTERN,
         description="For `approve` of a call whose contract asks for a preview: the digest"
         " of the preview as shown (required for such a call, refused for a different one;"
@@ -517,7 +519,6 @@ class ApproverRequest(WireModel):
     )
     reason: str = Field(default="", max_length=500)
 
-    omitted_when_none = frozenset({"preview_hash", "plan_id"})
 
     @model_validator(mode="after")
     def _one_subject(self) -> ApproverRequest:

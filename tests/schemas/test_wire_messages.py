@@ -38,6 +38,7 @@ from schemas import (
     RECONCILE_UNSUPPORTED,
     SCHEMA_DIR,
     WIRE_MODELS,
+    ApproverRequest,
     ErrorCategory,
     ErrorInfo,
     FeedEvent,
@@ -49,6 +50,7 @@ from schemas import (
     Provenance,
     ResultEnvelope,
 )
+from schemas._base import WireModel
 from tests.ledger.helpers import make_ledger
 
 pytestmark = pytest.mark.anyio
@@ -603,3 +605,30 @@ async def test_the_ledger_writes_timestamps_in_utc_with_z(stack: Stack, wire: Wi
     assert stamps
     for stamp in stamps:
         assert re.match(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{6})?Z$", stamp), stamp
+
+
+def test_fields_a_later_release_added_are_left_out_while_none_and_written_when_set() -> None:
+    # A reader of the release before forbids fields it does not know: a message that
+    # does not use the addition must read as it always did.
+    digest = "b" * 64
+    report = PreviewReport(effect={"recipients": 1})
+    cases: list[tuple[WireModel, WireModel, str]] = [
+        (LeaseRequest(operation_id="op-1", executor="e1"),
+         LeaseRequest(operation_id="op-1", executor="e1", preview=report), "preview"),
+        (LeaseReply(decision=LeaseDecision.EXECUTE, operation_id="h1/op-1"),
+         LeaseReply(decision=LeaseDecision.EXECUTE, operation_id="h1/op-1", preview_hash=digest),
+         "preview_hash"),
+        (ApproverRequest(command="deny", operation_id="h1/op-1"),
+         ApproverRequest(command="approve", plan_id="h1/plan-1", proposal_hash=digest),
+         "plan_id"),
+        (ApproverRequest(command="approve", operation_id="h1/op-1", proposal_hash=digest),
+         ApproverRequest(command="approve", operation_id="h1/op-1", proposal_hash=digest,
+                         preview_hash=digest), "preview_hash"),
+    ]
+    for without, with_it, name in cases:
+        assert name not in orjson.loads(without.model_dump_json()), name
+        assert name not in without.model_dump(mode="json"), name
+        assert name in orjson.loads(with_it.model_dump_json()), name
+    # Every other field that is None is still written, as null: only additions are left out.
+    assert orjson.loads(cases[0][0].model_dump_json())["holding"] is None
+    assert orjson.loads(cases[1][0].model_dump_json())["fencing_token"] is None
