@@ -8,8 +8,9 @@ every row, not what the notification log chooses to show.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ledger.adapters.sql import SqlDatabase
 from ledger.adapters.storage import StorageConfig
@@ -105,6 +106,15 @@ class EventTableReader:
             (f"%{suffix}",),
         )
         return sorted(str(row[0]) for row in rows)
+
+    def events_of(self, operation_ids: Sequence[str]) -> list[tuple[Any, ...]]:
+        """Every stored event of these operations, by operation, then by version: (ID,
+        version, topic, state) rows, the library's `StoredEvent` fields (batched `IN`)."""
+        return self._db.query_in(
+            f"SELECT {_ROW_COLUMNS} FROM {self._events}"
+            " WHERE originator_id IN ({marks}) ORDER BY originator_id, originator_version",
+            list(operation_ids),
+        )
 
     def stored_version(self, operation_id: str) -> int | None:
         """The newest stored version of one operation, or None if it has no events."""

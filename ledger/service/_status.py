@@ -31,9 +31,12 @@ class StatusReader:
         for the status requests about to follow (the relay's outcome notices of one
         batch): one round trip for the batch instead of one per operation.
 
-        Only operations this process holds a copy of are read ahead; the texts still
-        come from the store, so a kept text changed by hand is caught as before.
+        The operations this process holds no copy of are read first, in one query
+        too (`CommandRunner.load`); the texts still come from the store, so a kept
+        text changed by hand is caught as before.
         """
+        operation_ids = list(operation_ids)
+        self._runner.load(operation_ids)  # those another instance wrote: one query
         references: list[str] = []
         for operation_id in operation_ids:
             operation = self._runner.cached(operation_id)

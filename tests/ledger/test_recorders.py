@@ -403,7 +403,9 @@ def test_a_batch_that_fails_midway_keeps_no_text_for_later(
         ledger.submit(search(f"op-{n}"), ALICE)
         grants[n] = ledger.lease(f"op-{n}", executor="exec-1").fencing_token
     runner = ledger.runner
-    runner.forget("op-1", "op-2")  # read from the store, as after a restart
+    # op-2 is read from the store (as after a restart), on its own: several would be
+    # read together before any command ran (`CommandRunner.load`).
+    runner.forget("op-2")
     get = runner.get
 
     def failing_get(operation_id: str, **kwargs: Any) -> Any:
