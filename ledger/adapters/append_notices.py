@@ -9,13 +9,14 @@ median of 48 ms from submit to lease against 4.7 ms with one
 (`bench/e2e_bench.py --storage postgres --services 1,2`).
 
 Every append already sends a NOTIFY on the events table's channel (the
-library's, kept by `ledger.adapters.recorders`, which names the operations
-appended in its payloads). `AppendNotices` listens on a connection of its own,
-on the event loop (psycopg's asyncio connection: no thread), and calls back for
-each notice another backend sent. This process's own appends are told apart by
-the backend that sent them (the recorder keeps the backends it appended
-through): the relay learns of those from the gateway already, and a wake-up for
-them would cost a read for nothing.
+library's, kept by `ledger.adapters.recorders`), whose payloads say whose
+events table, which process and which operations (`ledger.adapters.notices`).
+`AppendNotices` listens on a connection of its own, on the event loop
+(psycopg's asyncio connection: no thread), and calls back for each notice
+another process sent about this ledger's events. Notices of this process's own
+appends are passed over (the relay learns of those from the gateway already,
+and a wake-up for them would cost a read for nothing), and so are those of
+ledgers in other schemas of the same database, which share the channel.
 
 The names serve the command runner's cache as well. An instance keeps the
 operations it last wrote; once another instance writes one of them, that copy is
@@ -24,9 +25,13 @@ whole turn run again step by step. With the operation IDs of each notice, the
 instance drops those copies first and loads the operation once instead.
 
 A notice only makes the relay look sooner and a copy be loaded again. Lost
-notices (a dropped connection, a backend ID another writer reused) cost the old
-poll's delay and a failed append, never an event or a wrong answer: the poll
-stays, the relay reads the log by position, and every append checks versions.
+notices (a dropped connection) cost the old poll's delay and a failed append,
+never an event or a wrong answer: the poll stays, the relay reads the log by
+position, and every append checks versions. After a drop, the callback hears
+that notices may have been missed, and the service drops every copy it holds.
+The connection is checked every half minute (and by TCP keepalives), so one
+that died without a word is noticed and replaced: until every listener has read
+them, PostgreSQL keeps notifications queued.
 """
 
 from __future__ import annotations
@@ -34,26 +39,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg
 from psycopg.sql import SQL, Identifier
 
-from ledger.adapters.recorders import NOTICE_SEPARATOR
+from ledger.adapters.notices import read_notice
 
 __all__ = ["AppendNotices"]
 
 _log = logging.getLogger(__name__)
 
+_CHECK_EVERY_S = 30.0  # a connection that has said nothing this long is asked a question
+
 
 class AppendNotices:
     """Listens for the events table's NOTIFY and calls `on_notice` for other writers'.
 
-    `on_notice` gets the operation IDs the append named (`ledger.adapters.recorders`
-    `notice_payloads`), or none: an append by the library's own statements, or the
-    one look taken when listening starts, after which nothing was missed any more.
-    `own_backends`: the backend IDs whose notices are this process's own appends
-    (asked at each notice: the recorder's set grows as its pool opens connections).
+    `on_notice` gets the operation IDs another process appended to (of the ledger
+    `store` names, `ledger.adapters.notices`); an empty sequence when a notice
+    does not say which (the library's own statements, a release before this one);
+    None when notices may have been missed (listening began, or began again after
+    a drop): any copy may be stale. `writer`: this process's own token, whose
+    notices are passed over.
     """
 
     def __init__(
@@ -61,14 +69,16 @@ class AppendNotices:
         dsn: str,
         channel: str,
         *,
-        own_backends: Callable[[], Collection[int]],
-        on_notice: Callable[[Sequence[str]], object],
+        store: str,
+        writer: str,
+        on_notice: Callable[[Sequence[str] | None], object],
         retry_after_s: float = 1.0,
         retry_at_most_s: float = 30.0,
     ) -> None:
         self._dsn = dsn
         self._channel = channel
-        self._own_backends = own_backends
+        self._store = store
+        self._writer = writer
         self._on_notice = on_notice
         self._retry_after_s = retry_after_s
         self._retry_at_most_s = retry_at_most_s
@@ -95,44 +105,59 @@ class AppendNotices:
 
     async def _run(self) -> None:
         delay = self._retry_after_s
+        said = False  # the current outage was logged
         while True:
             try:
                 await self._listen()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                # The poll still finds everything: say so once per outage, try again.
-                if self.listening.is_set() or delay == self._retry_after_s:
+                if self.listening.is_set():
+                    # It had been listening: a new outage, retried at once from scratch.
+                    delay, said = self._retry_after_s, False
+                    self.listening.clear()
+                if not said:
                     _log.warning(
                         "not listening for other instances' appends (%s: %s); the relay"
                         " polls until the connection is back",
                         type(exc).__name__,
                         exc,
                     )
-                self.listening.clear()
+                    said = True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._retry_at_most_s)
-                continue
-            delay = self._retry_after_s
 
     async def _listen(self) -> None:
-        conn = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True)
+        conn = await psycopg.AsyncConnection.connect(
+            self._dsn,
+            autocommit=True,
+            # A peer gone without a word is found by the kernel, not only by the
+            # check below.
+            keepalives=1,
+            keepalives_idle=30,
+            keepalives_interval=10,
+            keepalives_count=3,
+        )
         try:
             await conn.execute(SQL("LISTEN {}").format(Identifier(self._channel)))
             self.backend_pid = conn.info.backend_pid
             self.listening.set()
-            # What was appended while nobody listened is found by looking once now.
-            self._on_notice(())
-            async for notice in conn.notifies():
-                if notice.pid in self._own_backends():
-                    continue
-                self.heard += 1
-                named = notice.payload.split(NOTICE_SEPARATOR) if notice.payload else ()
-                try:
-                    self._on_notice(named)
-                except Exception:  # a listener's failure never ends the listening
-                    _log.exception("acting on another instance's append failed")
+            # Whatever was appended while nobody listened: look once, trust no copy.
+            self._on_notice(None)
+            while True:
+                async for notice in conn.notifies(timeout=_CHECK_EVERY_S):
+                    self._heard(notice.payload)
+                await conn.execute("SELECT 1")  # quiet for a while: still there?
         finally:
-            self.listening.clear()
             with contextlib.suppress(Exception):
                 await conn.close()
+
+    def _heard(self, payload: str) -> None:
+        notice = read_notice(payload)
+        if notice is not None and (notice.store != self._store or notice.writer == self._writer):
+            return  # another ledger's events, or this process's own append
+        self.heard += 1
+        try:
+            self._on_notice(notice.operation_ids if notice is not None else ())
+        except Exception:  # a listener's failure never ends the listening
+            _log.exception("acting on another instance's append failed")

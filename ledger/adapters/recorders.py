@@ -31,10 +31,14 @@ The library's own database-function insert (`POSTGRES_ENABLE_DB_FUNCTIONS`)
 would bypass all this (it inserts no texts, and takes no table lock), so
 `StorageConfig.eventsourcing_env` pins it off.
 
+The NOTIFY stays on the library's channel, in the library's place, but says
+more: whose events, which process, which operations (`ledger.adapters.notices`),
+for the other service instances that listen (`ledger.adapters.append_notices`).
+
 Everything else is the library's, unchanged: the tables, the EXCLUSIVE table
-lock that makes commit order the notification order on PostgreSQL, the
-NOTIFY, the new notification IDs and the translation of a duplicate (ID,
-version) into `IntegrityError`.
+lock that makes commit order the notification order on PostgreSQL, the new
+notification IDs and the translation of a duplicate (ID, version) into
+`IntegrityError`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from psycopg.rows import DictRow
 from psycopg.sql import SQL, Composed, Identifier, Literal
 
 from ledger.adapters.creation_lock import take_creation_lock
+from ledger.adapters.notices import new_writer, notice_payloads
 
 __all__ = [
     "POSTGRES_RECORDER_TOPIC",
@@ -156,10 +161,12 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
             " %b::text[]) AS appended(notification_id)"
         ).format(schema=schema, function=function)
         self._function_missing = False
-        self.backend_pids: set[int] = set()
-        """The PostgreSQL backends this recorder appended through: each append's NOTIFY
-        names its backend, so a listener can tell this process's appends from other
-        writers' (`ledger.adapters.append_notices`)."""
+        self.notice_store = f"{datastore.schema}.{events_table_name}"
+        """Whose events these are, in every append's notices (`ledger.adapters.notices`):
+        the channel is shared by every schema of the database."""
+        self.notice_writer = new_writer()
+        """This recorder's token in its appends' notices: a listener in the same process
+        knows its own appends by it."""
 
     def create_table(self) -> None:
         """Create the library's types, tables and functions, and ours, one creator
@@ -238,7 +245,6 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow]
     ) -> list[int]:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
-            self.backend_pids.add(conn.info.backend_pid)
             curs.execute(
                 self._append,
                 (
@@ -246,7 +252,7 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
                     [row[0] for row in results],
                     [row[1] for row in results],
                     [row[2] for row in results],
-                    notice_payloads(stored_events),
+                    self._notice_payloads(stored_events),
                 ),
                 prepare=True,
             )
@@ -263,12 +269,28 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         # Only without the function (see `insert_events`): the library's order, lock,
         # notify, insert (its caller syncs the pipeline and reads the RETURNING rows),
         # with the kept texts under the lock and the events from the same arrays.
-        self.backend_pids.add(curs.connection.info.backend_pid)
         self._lock_table(curs)
-        self._notify_channel(curs)
+        payloads = self._notice_payloads(stored_events)
+        if payloads:
+            curs.execute(self._notify_payloads, (payloads,))
+        else:
+            self._notify_channel(curs)
         if results:
             curs.executemany(self._insert_results, results)
         curs.execute(self._insert_arrays, _event_columns(stored_events), prepare=True)
+
+    def _notice_payloads(self, stored_events: Sequence[StoredEvent]) -> list[str]:
+        return notice_payloads(
+            self.notice_store,
+            self.notice_writer,
+            (str(event.originator_id) for event in stored_events),
+        )
+
+    @cached_property
+    def _notify_payloads(self) -> Composed:
+        return SQL("SELECT pg_notify({channel}, notice) FROM unnest(%s::text[]) AS notice").format(
+            channel=Literal(self.channel_name)
+        )
 
     @cached_property
     def _insert_arrays(self) -> Composed:
@@ -285,29 +307,6 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         return SQL(_INSERT_RESULTS.format(table="{schema}.{table}", marks="%s, %s, %s")).format(
             schema=Identifier(self.datastore.schema), table=Identifier(_RESULTS)
         )
-
-
-NOTICE_SEPARATOR = " "
-"""Between the operation IDs of one append's notice (IDs hold no spaces)."""
-_NOTICE_BYTES = 7_000  # PostgreSQL refuses a payload of 8,000 bytes or more
-
-
-def notice_payloads(stored_events: Sequence[StoredEvent]) -> list[str]:
-    """The IDs of the operations appended, as the payloads of the append's notices: as
-    few as fit under PostgreSQL's payload limit, each ID in one of them only."""
-    payloads: list[str] = []
-    current: list[str] = []
-    size = 0
-    for operation_id in dict.fromkeys(str(event.originator_id) for event in stored_events):
-        length = 1 + len(operation_id.encode())
-        if current and size + length > _NOTICE_BYTES:
-            payloads.append(NOTICE_SEPARATOR.join(current))
-            current, size = [], 0
-        current.append(operation_id)
-        size += length
-    if current:
-        payloads.append(NOTICE_SEPARATOR.join(current))
-    return payloads
 
 
 def _event_columns(

@@ -234,14 +234,19 @@ def _append_notices(ledger: Ledger, relay: Relay) -> AppendNotices | None:
     recorder = ledger.events.recorder
     if storage.postgres_dsn is None or not isinstance(recorder, ArrayInsertRecorder):
         return None  # SQLite: one writer, this process
-    def on_notice(operation_ids: Sequence[str]) -> None:
-        ledger.runner.evict(operation_ids)  # before any command could use a stale copy
+    def on_notice(operation_ids: Sequence[str] | None) -> None:
+        # Before any command could use a stale copy.
+        if operation_ids is None:
+            ledger.runner.evict_all()  # notices may have gone unheard
+        else:
+            ledger.runner.evict(operation_ids)
         relay.others_appended()
 
     return AppendNotices(
         storage.postgres_dsn,
         recorder.channel_name,
-        own_backends=lambda: recorder.backend_pids,
+        store=recorder.notice_store,
+        writer=recorder.notice_writer,
         on_notice=on_notice,
     )
 

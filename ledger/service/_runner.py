@@ -263,6 +263,11 @@ class CommandRunner:
             for operation_id in operation_ids:
                 self._cache.pop(operation_id, None)
 
+    def evict_all(self) -> None:
+        """Drop every cached copy: another writer's appends may have gone unheard."""
+        with self._cache_lock:
+            self._cache.clear()
+
     @contextmanager
     def one_append(self) -> Iterator[None]:
         """Every save inside the block becomes one append at its end.

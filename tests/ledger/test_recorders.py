@@ -29,7 +29,8 @@ from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastor
 from ledger import Ledger, StorageConfig
 from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
 from ledger.adapters.eventstore import EventStoreApp
-from ledger.adapters.recorders import ArrayInsertRecorder, notice_payloads
+from ledger.adapters.notices import AppendNotice, notice_payloads, read_notice
+from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.adapters.sql import SqlDatabase
 from ledger.domain.states import ResultDisposition
 from tests.conftest import drop_schema, postgres_storage_or_skip
@@ -191,8 +192,12 @@ def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order
         # Each append notified the log's readers once it committed.
         notices = list(listener.notifies(timeout=5, stop_after=2))
         assert [notice.channel for notice in notices] == [ours.channel_name] * 2
-        # Naming what each appended, for other instances' caches (`append_notices`).
-        assert [notice.payload for notice in notices] == ["host/other", "host/ours"]
+        # The other's was its own text; ours names whose events, which process, and
+        # what it appended, for other instances (`ledger.adapters.notices`).
+        assert notices[0].payload == "host/other"
+        assert read_notice(notices[1].payload) == AppendNotice(
+            ours.notice_store, ours.notice_writer, ("host/ours",)
+        )
 
 
 def test_an_append_of_many_operations_names_each_once_in_notices_postgresql_accepts(
@@ -205,14 +210,15 @@ def test_an_append_of_many_operations_names_each_once_in_notices_postgresql_acce
     assert isinstance(ours, ArrayInsertRecorder)
     ids = [f"{'h' * 128}/{n:0128d}" for n in range(120)]
     events = [StoredEvent(i, version, "t", b"{}") for i in ids for version in (1, 2, 3)]
-    payloads = notice_payloads(events)
+    payloads = notice_payloads(ours.notice_store, ours.notice_writer, ids)
     assert len(payloads) > 1 and all(len(p.encode()) < 8000 for p in payloads)
     with psycopg.connect(storage.postgres_dsn or "", autocommit=True) as listener:
         listener.execute(f'LISTEN "{ours.channel_name}"')
         assert ours.insert_events(events)
         notices = list(listener.notifies(timeout=5, stop_after=len(payloads)))
-    named = [name for notice in notices for name in notice.payload.split(" ")]
-    assert named == ids
+    read = [read_notice(notice.payload) for notice in notices]
+    assert all(n is not None and n.writer == ours.notice_writer for n in read)
+    assert [i for n in read if n is not None for i in n.operation_ids] == ids
 
 
 def test_without_its_function_the_recorder_appends_statement_by_statement(

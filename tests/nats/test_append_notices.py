@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -24,7 +24,8 @@ from ledger.server.app import _append_notices, build_relay
 from ledger.server.gateway import LedgerGateway
 from ledger.server.relay import Relay
 from ledger.server.relay import _relay as relay_loop
-from schemas import WORK_STREAM
+from schemas import FEED_STREAM, WORK_STREAM
+from tests.conftest import drop_schema, postgres_storage_or_skip
 from tests.ledger.helpers import ALICE, make_ledger, search
 from tests.nats.conftest import NatsEnv
 
@@ -44,22 +45,27 @@ async def _until(check: Callable[[], Any], what: str, timeout_s: float = 15.0) -
 
 
 def _notices(
-    ledger: Ledger, relay: Relay, storage: StorageConfig, named: list[str] | None = None
+    ledger: Ledger,
+    relay: Relay,
+    storage: StorageConfig,
+    named: list[str] | None = None,
+    retry_after_s: float = 0.1,
 ) -> AppendNotices:
     recorder = ledger.events.recorder
     assert isinstance(recorder, ArrayInsertRecorder)
 
-    def on_notice(operation_ids: Sequence[str]) -> None:
-        if named is not None:
+    def on_notice(operation_ids: Sequence[str] | None) -> None:
+        if named is not None and operation_ids is not None:
             named.extend(operation_ids)
         relay.others_appended()
 
     return AppendNotices(
         storage.postgres_dsn or "",
         recorder.channel_name,
-        own_backends=lambda: recorder.backend_pids,
+        store=recorder.notice_store,
+        writer=recorder.notice_writer,
         on_notice=on_notice,
-        retry_after_s=0.1,
+        retry_after_s=retry_after_s,
     )
 
 
@@ -67,8 +73,19 @@ async def _relaying(relay: Relay) -> None:
     await _until(lambda: asyncio.sleep(0, relay._position is not None), "the relay holds the lease")
 
 
+@pytest.fixture
+def another_schema() -> Iterator[StorageConfig]:
+    """A second ledger's schema in the same database."""
+    config = postgres_storage_or_skip()
+    yield config
+    drop_schema(config)
+
+
 async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends_are_not_heard(
-    nats_env: NatsEnv, postgres_storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+    nats_env: NatsEnv,
+    postgres_storage: StorageConfig,
+    another_schema: StorageConfig,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(relay_loop, "_POLL_S", 3600.0)
     relaying, other = make_ledger(postgres_storage), make_ledger(postgres_storage)
@@ -101,9 +118,13 @@ async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends
             await _until(lambda: _equals(js, before + 2), "the other instance's append relayed")
             assert notices.heard >= 1
 
-            # This instance's own append sends a notice too, before the other's below
-            # (one connection delivers them in commit order); only the other's is heard.
+            # This instance's own append sends a notice too, and so does a ledger in
+            # another schema of the database (the channel is the table's name), both
+            # before the other's below (one connection delivers them in commit order):
+            # only the other's is heard.
             heard = notices.heard
+            elsewhere = make_ledger(another_schema)
+            elsewhere.submit(search("op-notice-2"), ALICE)
             relaying.submit(search("op-notice-2"), ALICE)
             other.submit(search("op-notice-3"), ALICE)
             await _until(lambda: _equals(js, before + 4), "both appends relayed")
@@ -111,6 +132,7 @@ async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends
             assert notices.heard == heard + 1
             # Each notice named what it appended: only the other instance's operations.
             assert named == ["op-notice-1", "op-notice-3"]
+            elsewhere.close()
         finally:
             await notices.stop()
             await relay.stop()
@@ -122,7 +144,7 @@ async def _equals(js: Any, count: int) -> bool:
     return await _work_items(js) == count
 
 
-async def test_a_killed_listening_connection_is_said_and_listened_again(
+async def test_each_killed_listening_connection_is_said_and_listened_again_at_once(
     nats_env: NatsEnv,
     postgres_storage: StorageConfig,
     monkeypatch: pytest.MonkeyPatch,
@@ -136,25 +158,34 @@ async def test_a_killed_listening_connection_is_said_and_listened_again(
         relay = build_relay(gateway, probe.nc)
         relay.start()
         await _relaying(relay)
-        notices = _notices(relaying, relay, postgres_storage)
+        notices = _notices(relaying, relay, postgres_storage, retry_after_s=0.25)
         notices.start()
         try:
             await asyncio.wait_for(notices.listening.wait(), 10)
-            killed = notices.backend_pid
             with caplog.at_level(logging.WARNING, logger="ledger.adapters.append_notices"):
-                with psycopg.connect(postgres_storage.postgres_dsn or "", autocommit=True) as db:
-                    assert db.execute("SELECT pg_terminate_backend(%s)", (killed,)).fetchone()
-                await _until(
-                    lambda: asyncio.sleep(
-                        0, notices.listening.is_set() and notices.backend_pid != killed
-                    ),
-                    "listening again on a new connection",
-                )
-            assert any("not listening" in r.getMessage() for r in caplog.records)
+                for drop in range(4):
+                    killed = notices.backend_pid
+                    with psycopg.connect(
+                        postgres_storage.postgres_dsn or "", autocommit=True
+                    ) as db:
+                        assert db.execute("SELECT pg_terminate_backend(%s)", (killed,)).fetchone()
+                    started = asyncio.get_running_loop().time()
+                    await _until(
+                        lambda killed=killed: asyncio.sleep(  # type: ignore[misc]
+                            0, notices.listening.is_set() and notices.backend_pid != killed
+                        ),
+                        f"listening again after drop {drop + 1}",
+                    )
+                    # The retry starts from scratch at each new outage (0.25 s), rather
+                    # than doubling across outages that each ended (the fourth would
+                    # wait 2 s).
+                    assert asyncio.get_running_loop().time() - started < 1.5
+            said = [r for r in caplog.records if "not listening" in r.getMessage()]
+            assert len(said) == 4  # each drop said once
 
             before = await _work_items(js)
             other.submit(search("op-relisten-0"), ALICE)
-            await _until(lambda: _equals(js, before + 1), "relayed after the reconnection")
+            await _until(lambda: _equals(js, before + 1), "relayed after the reconnections")
         finally:
             await notices.stop()
             await relay.stop()
@@ -162,35 +193,65 @@ async def test_a_killed_listening_connection_is_said_and_listened_again(
     other.close()
 
 
-async def test_a_copy_another_instance_made_stale_is_dropped_before_a_command_uses_it(
-    nats_env: NatsEnv, postgres_storage: StorageConfig
+async def test_the_services_wiring_drops_stale_copies_and_wakes_the_relay(
+    nats_env: NatsEnv, postgres_storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The service's own wiring (`ledger.server.app`): B submitted the operation and
-    # holds its copy; A leases it. Without the notice, B's next command would run on
-    # the copy, fail its append on the version check, and run its turn again.
+    # `ledger.server.app`'s own listener. B relays, submitted two operations and holds
+    # their copies; A leases one. Without the notice, B would publish A's event at its
+    # poll (an hour away here), and B's next command on that operation would run on
+    # the stale copy, fail its append on the version check, and run its turn again.
+    monkeypatch.setattr(relay_loop, "_POLL_S", 3600.0)
     a, b = make_ledger(postgres_storage), make_ledger(postgres_storage)
     gateway = LedgerGateway(b)
     async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        js = probe.nc.jetstream()
         relay = build_relay(gateway, probe.nc)
+        relay.start()
+        await _relaying(relay)
         notices = _append_notices(b, relay)
         assert notices is not None
         notices.start()
         try:
             await asyncio.wait_for(notices.listening.wait(), 10)
+            work = await _work_items(js)
             b.submit(search("op-stale-0"), ALICE)
             b.submit(search("op-stale-1"), ALICE)
+            gateway.written.set()  # as the gateway does after its own appends
+            await _until(lambda: _equals(js, work + 2), "B's own operations dispatched")
+            feed = await _feed_events(js)
             copy = b.runner.cached("op-stale-0")
             assert copy is not None and copy.version == 3
+
             a.lease("op-stale-0", executor="exec-1")
             await _until(
                 lambda: asyncio.sleep(0, b.runner.cached("op-stale-0") is None),
                 "B's stale copy dropped",
             )
+            await _until(
+                lambda: _feed_has(js, feed + 1), "A's LeaseClaimed published by B's relay"
+            )
             assert notices.heard == 1
             assert b.runner.cached("op-stale-1") is not None  # nobody else wrote it
-            # B answers from the stored state: the lease is A's.
-            assert b.status("op-stale-0").state == "executing"
+            assert b.status("op-stale-0").state == "executing"  # from the stored state
+
+            # Notices missed while the connection was down: no copy is trusted after.
+            killed = notices.backend_pid
+            with psycopg.connect(postgres_storage.postgres_dsn or "", autocommit=True) as db:
+                db.execute("SELECT pg_terminate_backend(%s)", (killed,))
+            await _until(
+                lambda: asyncio.sleep(0, b.runner.cached("op-stale-1") is None),
+                "every copy dropped after the listener came back",
+            )
         finally:
             await notices.stop()
+            await relay.stop()
     a.close()
     b.close()
+
+
+async def _feed_events(js: Any) -> int:
+    return int((await js.stream_info(FEED_STREAM)).state.messages)
+
+
+async def _feed_has(js: Any, count: int) -> bool:
+    return await _feed_events(js) == count

@@ -7,6 +7,7 @@ nothing is published twice and nothing is skipped.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 from functools import partial
@@ -20,6 +21,7 @@ from ledger.server.app import build_relay
 from ledger.server.gateway import LedgerGateway
 from ledger.server.metrics import LedgerMetrics
 from ledger.server.relay import Relay
+from ledger.server.relay import _relay as relay_loop
 from ledger.server.relay import publisher as relay_module
 from schemas import FEED_STREAM, WORK_STREAM, feed_message_id, work_message_id
 from tests.ledger.helpers import ALICE, make_ledger, search
@@ -240,4 +242,50 @@ async def test_the_instance_that_takes_the_relay_over_says_so_and_reports_its_la
         taken = [r.getMessage() for r in caplog.records if "now relays" in r.getMessage()]
         assert len(taken) == 2, taken
         assert taken[0].startswith("relay: ledger-a@") and taken[1].startswith("relay: ledger-b@")
+    ledger.close()
+
+
+async def test_a_standby_relay_asks_for_the_lease_at_its_poll_not_after_each_batch(
+    nats_env: NatsEnv, storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two instances' relays on one ledger, running. The gateway wakes the relay after
+    # every batch it writes; the one without the lease used to ask for it each time
+    # (a query per batch). It asks at its poll only, and still takes over at once
+    # when the holder lets go.
+    monkeypatch.setattr(relay_loop, "_POLL_S", 0.2)
+    ledger: Ledger = make_ledger(storage)
+    suffix = "pg" if storage.is_postgres else "lite"
+    gateway = LedgerGateway(ledger)
+    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        holder = build_relay(gateway, probe.nc)
+        holder.start()
+        while holder._position is None:
+            await asyncio.sleep(0.01)
+        standby = cast(RecordingRelay, build_relay(gateway, probe.nc, relay=RecordingRelay))
+        asks = 0
+        take = standby._positions.take
+
+        def counted_take(*args: Any) -> int | None:
+            nonlocal asks
+            asks += 1
+            return take(*args)
+
+        monkeypatch.setattr(standby._positions, "take", counted_take)
+        standby.start()
+        started = asyncio.get_running_loop().time()
+        for _ in range(100):  # a hundred batches written in about half a second
+            gateway.written.set()
+            await asyncio.sleep(0.005)
+        elapsed = asyncio.get_running_loop().time() - started
+        assert 1 <= asks <= elapsed / 0.2 + 2, (asks, elapsed)
+
+        await holder.stop()  # lets go of the lease
+        ledger.submit(search(f"op-standby-{suffix}"), ALICE)
+        gateway.written.set()
+        for _ in range(300):
+            if standby.published:
+                break
+            await asyncio.sleep(0.01)
+        assert any(f"op-standby-{suffix}" in m for m in standby.published)
+        await standby.stop()
     ledger.close()
