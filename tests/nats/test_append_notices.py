@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -81,40 +83,73 @@ def another_schema() -> Iterator[StorageConfig]:
     drop_schema(config)
 
 
+@dataclass
+class _Instances:
+    """Two service instances' ledgers on one PostgreSQL; `relaying`'s relay runs and holds
+    the relay lease (its poll an hour away); `js` sees the streams."""
+
+    relaying: Ledger
+    other: Ledger
+    gateway: LedgerGateway
+    relay: Relay
+    probe: Any
+    js: Any
+
+
+@asynccontextmanager
+async def _two_instances(
+    nats_env: NatsEnv, storage: StorageConfig, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[_Instances]:
+    monkeypatch.setattr(relay_loop, "_POLL_S", 3600.0)
+    relaying, other = make_ledger(storage), make_ledger(storage)
+    gateway = LedgerGateway(relaying)
+    try:
+        async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+            relay = build_relay(gateway, probe.nc)
+            relay.start()
+            await _relaying(relay)
+            try:
+                yield _Instances(relaying, other, gateway, relay, probe, probe.nc.jetstream())
+            finally:
+                await relay.stop()
+    finally:
+        relaying.close()
+        other.close()
+
+
+def _kill_backend(storage: StorageConfig, pid: int | None) -> None:
+    with psycopg.connect(storage.postgres_dsn or "", autocommit=True) as db:
+        assert db.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+
+
 async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends_are_not_heard(
     nats_env: NatsEnv,
     postgres_storage: StorageConfig,
     another_schema: StorageConfig,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(relay_loop, "_POLL_S", 3600.0)
-    relaying, other = make_ledger(postgres_storage), make_ledger(postgres_storage)
-    gateway = LedgerGateway(relaying)
-    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
-        js = probe.nc.jetstream()
-        relay = build_relay(gateway, probe.nc)
-        standby = build_relay(gateway, probe.nc)
-        relay.start()
-        await _relaying(relay)
+    async with _two_instances(nats_env, postgres_storage, monkeypatch) as pair:
+        js = pair.js
         # A relay without the lease is not woken: it would only ask for the lease again.
-        gateway.written.clear()
+        standby = build_relay(pair.gateway, pair.probe.nc)
+        pair.gateway.written.clear()
         standby.others_appended()
-        assert not gateway.written.is_set()
+        assert not pair.gateway.written.is_set()
 
         before = await _work_items(js)
-        other.submit(search("op-notice-0"), ALICE)
+        pair.other.submit(search("op-notice-0"), ALICE)
         await asyncio.sleep(1.5)
         assert await _work_items(js) == before, "the poll is an hour away: nothing may go out"
 
         named: list[str] = []
-        notices = _notices(relaying, relay, postgres_storage, named)
+        notices = _notices(pair.relaying, pair.relay, postgres_storage, named)
         notices.start()
         try:
             # Listening starts with one look: what was appended unheard goes out now.
             await _until(lambda: _equals(js, before + 1), "the unheard append relayed")
             assert notices.heard == 0
 
-            other.submit(search("op-notice-1"), ALICE)
+            pair.other.submit(search("op-notice-1"), ALICE)
             await _until(lambda: _equals(js, before + 2), "the other instance's append relayed")
             assert notices.heard >= 1
 
@@ -125,8 +160,8 @@ async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends
             heard = notices.heard
             elsewhere = make_ledger(another_schema)
             elsewhere.submit(search("op-notice-2"), ALICE)
-            relaying.submit(search("op-notice-2"), ALICE)
-            other.submit(search("op-notice-3"), ALICE)
+            pair.relaying.submit(search("op-notice-2"), ALICE)
+            pair.other.submit(search("op-notice-3"), ALICE)
             await _until(lambda: _equals(js, before + 4), "both appends relayed")
             await asyncio.sleep(0.5)
             assert notices.heard == heard + 1
@@ -135,9 +170,6 @@ async def test_another_instances_append_is_relayed_on_its_notice_and_own_appends
             elsewhere.close()
         finally:
             await notices.stop()
-            await relay.stop()
-    relaying.close()
-    other.close()
 
 
 async def _equals(js: Any, count: int) -> bool:
@@ -150,25 +182,15 @@ async def test_each_killed_listening_connection_is_said_and_listened_again_at_on
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(relay_loop, "_POLL_S", 3600.0)
-    relaying, other = make_ledger(postgres_storage), make_ledger(postgres_storage)
-    gateway = LedgerGateway(relaying)
-    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
-        js = probe.nc.jetstream()
-        relay = build_relay(gateway, probe.nc)
-        relay.start()
-        await _relaying(relay)
-        notices = _notices(relaying, relay, postgres_storage, retry_after_s=0.25)
+    async with _two_instances(nats_env, postgres_storage, monkeypatch) as pair:
+        notices = _notices(pair.relaying, pair.relay, postgres_storage, retry_after_s=0.25)
         notices.start()
         try:
             await asyncio.wait_for(notices.listening.wait(), 10)
             with caplog.at_level(logging.WARNING, logger="ledger.adapters.append_notices"):
                 for drop in range(4):
                     killed = notices.backend_pid
-                    with psycopg.connect(
-                        postgres_storage.postgres_dsn or "", autocommit=True
-                    ) as db:
-                        assert db.execute("SELECT pg_terminate_backend(%s)", (killed,)).fetchone()
+                    _kill_backend(postgres_storage, killed)
                     started = asyncio.get_running_loop().time()
                     await _until(
                         lambda killed=killed: asyncio.sleep(  # type: ignore[misc]
@@ -183,14 +205,11 @@ async def test_each_killed_listening_connection_is_said_and_listened_again_at_on
             said = [r for r in caplog.records if "not listening" in r.getMessage()]
             assert len(said) == 4  # each drop said once
 
-            before = await _work_items(js)
-            other.submit(search("op-relisten-0"), ALICE)
-            await _until(lambda: _equals(js, before + 1), "relayed after the reconnections")
+            before = await _work_items(pair.js)
+            pair.other.submit(search("op-relisten-0"), ALICE)
+            await _until(lambda: _equals(pair.js, before + 1), "relayed after the reconnections")
         finally:
             await notices.stop()
-            await relay.stop()
-    relaying.close()
-    other.close()
 
 
 async def test_the_services_wiring_drops_stale_copies_and_wakes_the_relay(
@@ -200,15 +219,9 @@ async def test_the_services_wiring_drops_stale_copies_and_wakes_the_relay(
     # their copies; A leases one. Without the notice, B would publish A's event at its
     # poll (an hour away here), and B's next command on that operation would run on
     # the stale copy, fail its append on the version check, and run its turn again.
-    monkeypatch.setattr(relay_loop, "_POLL_S", 3600.0)
-    a, b = make_ledger(postgres_storage), make_ledger(postgres_storage)
-    gateway = LedgerGateway(b)
-    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
-        js = probe.nc.jetstream()
-        relay = build_relay(gateway, probe.nc)
-        relay.start()
-        await _relaying(relay)
-        notices = _append_notices(b, relay)
+    async with _two_instances(nats_env, postgres_storage, monkeypatch) as pair:
+        a, b, js = pair.other, pair.relaying, pair.js
+        notices = _append_notices(b, pair.relay)
         assert notices is not None
         notices.start()
         try:
@@ -216,7 +229,7 @@ async def test_the_services_wiring_drops_stale_copies_and_wakes_the_relay(
             work = await _work_items(js)
             b.submit(search("op-stale-0"), ALICE)
             b.submit(search("op-stale-1"), ALICE)
-            gateway.written.set()  # as the gateway does after its own appends
+            pair.gateway.written.set()  # as the gateway does after its own appends
             await _until(lambda: _equals(js, work + 2), "B's own operations dispatched")
             feed = await _feed_events(js)
             copy = b.runner.cached("op-stale-0")
@@ -235,18 +248,13 @@ async def test_the_services_wiring_drops_stale_copies_and_wakes_the_relay(
             assert b.status("op-stale-0").state == "executing"  # from the stored state
 
             # Notices missed while the connection was down: no copy is trusted after.
-            killed = notices.backend_pid
-            with psycopg.connect(postgres_storage.postgres_dsn or "", autocommit=True) as db:
-                db.execute("SELECT pg_terminate_backend(%s)", (killed,))
+            _kill_backend(postgres_storage, notices.backend_pid)
             await _until(
                 lambda: asyncio.sleep(0, b.runner.cached("op-stale-1") is None),
                 "every copy dropped after the listener came back",
             )
         finally:
             await notices.stop()
-            await relay.stop()
-    a.close()
-    b.close()
 
 
 async def _feed_events(js: Any) -> int:
