@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import psycopg
 from psycopg.sql import SQL, Identifier
@@ -50,7 +50,7 @@ __all__ = ["AppendNotices"]
 
 _log = logging.getLogger(__name__)
 
-_CHECK_EVERY_S = 30.0  # a connection that has said nothing this long is asked a question
+_CHECK_EVERY_S = 30.0  # how often the connection is asked a question
 
 
 class AppendNotices:
@@ -89,6 +89,8 @@ class AppendNotices:
         """Notices from other writers passed on (for tests)."""
         self.backend_pid: int | None = None
         """The listening connection's backend (for tests and for `pg_stat_activity`)."""
+        # Between tries (a test records the delays).
+        self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
     def start(self) -> None:
         """Listen on the running event loop until `stop`."""
@@ -102,6 +104,8 @@ class AppendNotices:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self.listening.clear()
+        self.backend_pid = None
 
     async def _run(self) -> None:
         delay = self._retry_after_s
@@ -113,7 +117,7 @@ class AppendNotices:
                 raise
             except Exception as exc:
                 if self.listening.is_set():
-                    # It had been listening: a new outage, retried at once from scratch.
+                    # It had been listening: a new outage, retried from the first delay.
                     delay, said = self._retry_after_s, False
                     self.listening.clear()
                 if not said:
@@ -124,7 +128,7 @@ class AppendNotices:
                         exc,
                     )
                     said = True
-                await asyncio.sleep(delay)
+                await self._sleep(delay)
                 delay = min(delay * 2, self._retry_at_most_s)
 
     async def _listen(self) -> None:
@@ -137,17 +141,20 @@ class AppendNotices:
             keepalives_idle=30,
             keepalives_interval=10,
             keepalives_count=3,
+            # ... and a question left unanswered (keepalives wait for an idle socket).
+            tcp_user_timeout=60_000,
         )
         try:
             await conn.execute(SQL("LISTEN {}").format(Identifier(self._channel)))
             self.backend_pid = conn.info.backend_pid
             self.listening.set()
             # Whatever was appended while nobody listened: look once, trust no copy.
-            self._on_notice(None)
+            self._tell(None)
             while True:
                 async for notice in conn.notifies(timeout=_CHECK_EVERY_S):
                     self._heard(notice.payload)
-                await conn.execute("SELECT 1")  # quiet for a while: still there?
+                # Every half minute, however busy: still there?
+                await asyncio.wait_for(conn.execute("SELECT 1"), _CHECK_EVERY_S / 3)
         finally:
             with contextlib.suppress(Exception):
                 await conn.close()
@@ -157,7 +164,10 @@ class AppendNotices:
         if notice is not None and (notice.store != self._store or notice.writer == self._writer):
             return  # another ledger's events, or this process's own append
         self.heard += 1
+        self._tell(notice.operation_ids if notice is not None else ())
+
+    def _tell(self, operation_ids: Sequence[str] | None) -> None:
         try:
-            self._on_notice(notice.operation_ids if notice is not None else ())
+            self._on_notice(operation_ids)
         except Exception:  # a listener's failure never ends the listening
             _log.exception("acting on another instance's append failed")

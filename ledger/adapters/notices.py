@@ -74,7 +74,9 @@ def read_notice(payload: str) -> AppendNotice | None:
     """The notice a payload carries; None if it is in no such form (it says only that
     someone appended)."""
     parts = payload.split(_SEPARATOR, 2)
-    if len(parts) < 3 or not parts[0] or not parts[1]:
+    # A store is `schema.table`; no operation ID holds a dot, so a payload of IDs
+    # alone (the release before the store was named) is not read as one.
+    if len(parts) < 3 or "." not in parts[0] or not parts[1]:
         return None
     ids = parts[2].split(_SEPARATOR, _IDS_AT_MOST)
     if len(ids) > _IDS_AT_MOST:

@@ -54,6 +54,9 @@ __all__ = ["Command", "CommandRunner", "OneAppendAbandoned"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Operations read per query by `CommandRunner.load`: few enough that one query's
+# histories stay small (an operation's may be a few MiB), many enough for a batch.
+_LOAD_CHUNK = 32
 Command = Callable[[Operation], T]
 """A command on one loaded operation: it triggers events, or refuses by raising."""
 
@@ -95,6 +98,7 @@ class CommandRunner:
         # runs again on the stored state; a refusal from a cached state is
         # likewise re-checked against the stored one before it is believed.
         self._cache: Recent[str, Operation] = Recent(cache_size, max_weight=cache_bytes)
+        self._cache_bytes = cache_bytes
         self._cache_lock = threading.Lock()
         # Inside `one_append`: the operations saved so far (their events not yet
         # appended).
@@ -123,14 +127,18 @@ class CommandRunner:
             raise OperationNotFound("no such operation", operation_id=operation_id)
         return operation
 
-    def load(self, operation_ids: Iterable[str]) -> dict[str, Operation]:
-        """The operations among these that this process holds no copy of, read in one
-        query and kept as copies (an operation unknown, or not an operation, is left
-        out: `get` says so when asked).
+    def load(
+        self, operation_ids: Iterable[str], *, remember: bool = True
+    ) -> dict[str, Operation]:
+        """The operations among these that this process holds no copy of, read a few
+        dozen per query and kept as copies unless not to `remember` (an operation
+        unknown, not an operation, or unreadable is left out: `get` says so when asked).
 
         For a batch of commands or statuses on operations another instance wrote
-        last (several services on one database): one round trip for the batch
-        instead of one replay each. A single one is left to `get`, as fast.
+        last (several services on one database): a round trip per few dozen
+        instead of one replay each. A single one is left to `get`, as fast. What
+        is read is bounded by the copies' own budget in bytes: past it, the rest
+        is left to `get` too.
         """
         wanted = [
             operation_id
@@ -139,20 +147,29 @@ class CommandRunner:
         ]
         if len(wanted) < 2:
             return {}
-        histories: dict[str, list[StoredEvent]] = {}
-        for row in self.tables.events_of(wanted):
-            histories.setdefault(str(row[0]), []).append(
-                StoredEvent(str(row[0]), int(row[1]), str(row[2]), bytes(row[3]))
-            )
         mapper = self.events.mapper
         loaded: dict[str, Operation] = {}
-        for operation_id, stored in histories.items():
-            operation = _replay(None, (mapper.to_domain_event(event) for event in stored))
-            if isinstance(operation, Operation):
-                loaded[operation_id] = operation
-        with self._cache_lock:
-            for operation_id, operation in loaded.items():
-                self._cache.remember(operation_id, operation, operation.history_bytes)
+        weight = 0
+        for start in range(0, len(wanted), _LOAD_CHUNK):
+            histories: dict[str, list[StoredEvent]] = {}
+            for row in self.tables.events_of(wanted[start : start + _LOAD_CHUNK]):
+                histories.setdefault(str(row[0]), []).append(
+                    StoredEvent(str(row[0]), int(row[1]), str(row[2]), bytes(row[3]))
+                )
+            for operation_id, stored in histories.items():
+                try:
+                    operation = _replay(None, (mapper.to_domain_event(e) for e in stored))
+                except Exception:  # one unreadable operation: `get` reports it on its own
+                    continue
+                if isinstance(operation, Operation):
+                    loaded[operation_id] = operation
+                    weight += operation.history_bytes
+            if weight >= self._cache_bytes:
+                break
+        if remember:
+            with self._cache_lock:
+                for operation_id, operation in loaded.items():
+                    self._cache.remember(operation_id, operation, operation.history_bytes)
         return loaded
 
     def history(self, operation_id: str) -> list[Any]:

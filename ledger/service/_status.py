@@ -25,6 +25,7 @@ class StatusReader:
         # Kept texts read ahead for the statuses about to be asked (`prefetch`):
         # each is taken once, so nothing here outlives the batch it was read for.
         self._read_ahead: dict[str, str | None] = {}
+        self._operations_ahead: dict[str, Operation] = {}
 
     def prefetch(self, operation_ids: Iterable[str]) -> None:
         """Read the kept result texts of these operations (the ledger's IDs) in one query,
@@ -36,10 +37,14 @@ class StatusReader:
         text changed by hand is caught as before.
         """
         operation_ids = list(operation_ids)
-        self._runner.load(operation_ids)  # those another instance wrote: one query
+        # Those another instance wrote last, read together; kept for these statuses
+        # only (settled, mostly: they would crowd out the copies commands use).
+        self._operations_ahead = self._runner.load(operation_ids, remember=False)
         references: list[str] = []
         for operation_id in operation_ids:
-            operation = self._runner.cached(operation_id)
+            operation = self._operations_ahead.get(operation_id) or self._runner.cached(
+                operation_id
+            )
             outcome = operation.outcome if operation is not None else None
             reference = outcome.as_dict().get("result_ref") if outcome is not None else None
             if reference:
@@ -70,8 +75,12 @@ class StatusReader:
         asked = operation_id
         if host is not None:
             operation_id = ledger_operation_id(host, operation_id)
+        ahead = self._operations_ahead.pop(operation_id, None)
         try:
-            operation = self._runner.current(operation_id, known_version=known_version)
+            if ahead is not None and known_version is not None and ahead.version >= known_version:
+                operation = ahead  # read by `prefetch` for this very status
+            else:
+                operation = self._runner.current(operation_id, known_version=known_version)
         except OperationNotFound:
             raise OperationNotFound("no such operation", operation_id=asked) from None
         if host is not None and operation.host != host:

@@ -24,6 +24,9 @@ def test_a_payload_in_no_such_form_says_only_that_someone_appended() -> None:
     assert read_notice("host/op-1") is None
     assert read_notice("s.t w") is None
     assert read_notice(" w host/op-1") is None
+    # The release before the store was named sent the IDs alone: not read as a store,
+    # a writer and IDs (no operation ID holds a dot; a store always does).
+    assert read_notice("host/op-1 host/op-2 host/op-3") is None
 
 
 def test_tokens_that_are_no_operation_id_are_dropped_and_a_flood_of_them_is_refused() -> None:
@@ -31,7 +34,4 @@ def test_tokens_that_are_no_operation_id_are_dropped_and_a_flood_of_them_is_refu
     assert notice == AppendNotice("s.t", "w", ("host/op-1", "host/op-2"))
     # More names than any append could fit in one payload: no append sent it.
     assert read_notice("s.t w " + " ".join("a" for _ in range(4000))) is None
-
-
-def test_writers_differ() -> None:
-    assert len({new_writer() for _ in range(1000)}) == 1000
+    assert new_writer() != new_writer()
