@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import psycopg
 from psycopg.sql import SQL, Identifier
 
-from ledger.adapters.notices import read_notice
+from ledger.adapters.notices import notice_head, read_notice
 
 __all__ = ["AppendNotices"]
 
@@ -160,9 +160,10 @@ class AppendNotices:
                 await conn.close()
 
     def _heard(self, payload: str) -> None:
-        notice = read_notice(payload)
-        if notice is not None and (notice.store != self._store or notice.writer == self._writer):
-            return  # another ledger's events, or this process's own append
+        head = notice_head(payload)
+        if head is not None and (head[0] != self._store or head[1] == self._writer):
+            return  # another ledger's events, or this process's own append (most)
+        notice = read_notice(payload) if head is not None else None
         self.heard += 1
         self._tell(notice.operation_ids if notice is not None else ())
 

@@ -26,7 +26,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["AppendNotice", "new_writer", "notice_payloads", "read_notice"]
+__all__ = ["AppendNotice", "new_writer", "notice_head", "notice_payloads", "read_notice"]
 
 _SEPARATOR = " "
 _PAYLOAD_BYTES = 7_000  # PostgreSQL refuses 8,000 bytes or more (with 8 KiB pages)
@@ -70,17 +70,24 @@ def notice_payloads(store: str, writer: str, operation_ids: Iterable[str]) -> li
     return payloads
 
 
-def read_notice(payload: str) -> AppendNotice | None:
-    """The notice a payload carries; None if it is in no such form (it says only that
-    someone appended)."""
+def notice_head(payload: str) -> tuple[str, str] | None:
+    """The store and the writer a payload names, without reading its IDs (a listener
+    passes over most notices: its own process's); None if it is in no such form."""
     parts = payload.split(_SEPARATOR, 2)
     # A store is `schema.table`; no operation ID holds a dot, so a payload of IDs
     # alone (the release before the store was named) is not read as one.
     if len(parts) < 3 or "." not in parts[0] or not parts[1]:
         return None
-    ids = parts[2].split(_SEPARATOR, _IDS_AT_MOST)
+    return parts[0], parts[1]
+
+
+def read_notice(payload: str) -> AppendNotice | None:
+    """The notice a payload carries; None if it is in no such form (it says only that
+    someone appended)."""
+    head = notice_head(payload)
+    if head is None:
+        return None
+    ids = payload.split(_SEPARATOR, 2)[2].split(_SEPARATOR, _IDS_AT_MOST)
     if len(ids) > _IDS_AT_MOST:
         return None
-    return AppendNotice(
-        parts[0], parts[1], tuple(i for i in ids if _ID.fullmatch(i) is not None)
-    )
+    return AppendNotice(*head, tuple(i for i in ids if _ID.fullmatch(i) is not None))

@@ -3,7 +3,13 @@ a payload in no such form, or a hostile one, reads as."""
 
 from __future__ import annotations
 
-from ledger.adapters.notices import AppendNotice, new_writer, notice_payloads, read_notice
+from ledger.adapters.notices import (
+    AppendNotice,
+    new_writer,
+    notice_head,
+    notice_payloads,
+    read_notice,
+)
 
 
 def test_payloads_name_every_operation_once_under_postgresqls_limit() -> None:
@@ -27,6 +33,8 @@ def test_a_payload_in_no_such_form_says_only_that_someone_appended() -> None:
     # The release before the store was named sent the IDs alone: not read as a store,
     # a writer and IDs (no operation ID holds a dot; a store always does).
     assert read_notice("host/op-1 host/op-2 host/op-3") is None
+    assert notice_head("host/op-1 host/op-2 host/op-3") is None
+    assert notice_head("s.t w host/op-1 x") == ("s.t", "w")
 
 
 def test_tokens_that_are_no_operation_id_are_dropped_and_a_flood_of_them_is_refused() -> None:
