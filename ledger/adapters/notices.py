@@ -73,21 +73,28 @@ def notice_payloads(store: str, writer: str, operation_ids: Iterable[str]) -> li
 def notice_head(payload: str) -> tuple[str, str] | None:
     """The store and the writer a payload names, without reading its IDs (a listener
     passes over most notices: its own process's); None if it is in no such form."""
-    parts = payload.split(_SEPARATOR, 2)
-    # A store is `schema.table`; no operation ID holds a dot, so a payload of IDs
-    # alone (the release before the store was named) is not read as one.
-    if len(parts) < 3 or "." not in parts[0] or not parts[1]:
-        return None
-    return parts[0], parts[1]
+    parts = _parts(payload)
+    return None if parts is None else (parts[0], parts[1])
 
 
 def read_notice(payload: str) -> AppendNotice | None:
     """The notice a payload carries; None if it is in no such form (it says only that
     someone appended)."""
-    head = notice_head(payload)
-    if head is None:
+    parts = _parts(payload)
+    if parts is None:
         return None
-    ids = payload.split(_SEPARATOR, 2)[2].split(_SEPARATOR, _IDS_AT_MOST)
+    store, writer, names = parts
+    ids = names.split(_SEPARATOR, _IDS_AT_MOST)
     if len(ids) > _IDS_AT_MOST:
         return None
-    return AppendNotice(*head, tuple(i for i in ids if _ID.fullmatch(i) is not None))
+    return AppendNotice(store, writer, tuple(i for i in ids if _ID.fullmatch(i) is not None))
+
+
+def _parts(payload: str) -> tuple[str, str, str] | None:
+    """(store, writer, the IDs' text) of a payload in the form, else None."""
+    parts = payload.split(_SEPARATOR, 2)
+    # A store is `schema.table`; no operation ID holds a dot, so a payload of IDs
+    # alone (the release before the store was named) is not read as one.
+    if len(parts) < 3 or "." not in parts[0] or not parts[1]:
+        return None
+    return parts[0], parts[1], parts[2]

@@ -234,6 +234,7 @@ def _append_notices(ledger: Ledger, relay: Relay) -> AppendNotices | None:
     recorder = ledger.events.recorder
     if storage.postgres_dsn is None or not isinstance(recorder, ArrayInsertRecorder):
         return None  # SQLite: one writer, this process
+
     def on_notice(operation_ids: Sequence[str] | None) -> None:
         # Before any command could use a stale copy.
         if operation_ids is None:

@@ -232,7 +232,18 @@ def test_without_its_function_the_recorder_appends_statement_by_statement(
     ours = app.recorder
     assert isinstance(ours, ArrayInsertRecorder)
     _drop_append_function(storage)
-    ids = [ours.insert_events(_EVENTS[:2]), ours.insert_events(_EVENTS[2:])]
+    with psycopg.connect(storage.postgres_dsn or "", autocommit=True) as listener:
+        listener.execute(f'LISTEN "{ours.channel_name}"')
+        ids = [ours.insert_events(_EVENTS[:2]), ours.insert_events(_EVENTS[2:])]
+        notices = list(listener.notifies(timeout=5, stop_after=2))
+    # Their notices name what they appended, as the function's do.
+    assert [notice.payload for notice in notices] == [
+        payload
+        for part in (_EVENTS[:2], _EVENTS[2:])
+        for payload in notice_payloads(
+            ours.notice_store, ours.notice_writer, (str(e.originator_id) for e in part)
+        )
+    ]
     assert ids == [library.insert_events(_EVENTS[:2]), library.insert_events(_EVENTS[2:])]
     assert _rows(ours) == _rows(library)
     assert "append function is missing" in caplog.text
