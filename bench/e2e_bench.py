@@ -23,7 +23,16 @@ Per configuration (executors x items in flight per executor) it measures:
   flight pulls it, publishes a result to a results stream and waits for the
   PubAck, then acks; the bench pulls the result), same two phases. Every
   consumer pulls with `schemas.PullConsumer`, as the executors and the
-  service do.
+  service do;
+- with `--floor`, the design's floor, same phases: every NATS message one
+  operation makes through opledger (the proposal request and reply, five feed
+  records, the work item, the lease request and reply, the result, the outcome
+  notice), of about the real sizes and published as the relay publishes them,
+  between processes laid out as the real ones (`bench/floor_service.py`, the raw
+  worker with `--lease-subject`), with no ledger work at all. No implementation of
+  this design can beat it on this machine, so `ledger / floor` says how much of
+  an operation's cost is the implementation's and how much the hops'.
+  `floor-3hop` leaves the lease hop out (the dispatch lease's floor).
 
 Two host modes (`--host-modes`):
 
@@ -51,7 +60,7 @@ PostgreSQL with the ratio of their best throughputs.
         [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
         [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses] \\
         [--storage sqlite,postgres] [--prefill 0,1000000] [--budget 0,100000000] \\
-        [--peer dbos]
+        [--peer dbos] [--floor]
 
 `--budget N` gives the no-op a budget of N calls per hour (all the bench's calls
 are one caller's), so every proposal is counted against it as a production
@@ -97,6 +106,7 @@ import nats
 import nkeys  # type: ignore[import-untyped]  # nkeys ships no type information
 import orjson
 import psycopg
+from floor_service import FLOOR  # bench/, beside this script
 from nats.aio.client import Client
 from nats.js.api import (
     AckPolicy,
@@ -146,6 +156,7 @@ RAW_WORK_CONSUMER = "raw_workers"
 RAW_RESULTS_STREAM = "BENCH_RAW_RESULTS"
 RAW_RESULT_SUBJECT = "bench.raw.result"
 RAW_RESULTS_CONSUMER = "raw_results"
+FLOOR_SERVICE_READY = "floor service ready"
 
 OUTCOME_TIMEOUT_S = 60.0
 """Longest wait for one outcome; an operation slower than this counts as failed."""
@@ -388,6 +399,9 @@ class Settings:
     services: int = 1
     """Ledger service processes sharing the request subjects (PostgreSQL only: the
     production topology's queue groups; one of them relays)."""
+    floor: bool = False
+    """Also run the design's floor (`bench/floor_service.py`): every message of an
+    operation, no ledger work."""
 
     @property
     def label(self) -> str:
@@ -427,6 +441,8 @@ class Stack:
         self.executors: list[subprocess.Popen[bytes]] = []
         self.prefill_report: str | None = None
         self.raw_workers: list[subprocess.Popen[bytes]] = []
+        self.floor_service: subprocess.Popen[bytes] | None = None
+        self.floor_workers: list[subprocess.Popen[bytes]] = []
         self._logs: list[Any] = []
         self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -532,8 +548,33 @@ class Stack:
                 ],
                 cwd=REPO, env=self._env, stdout=log, stderr=subprocess.STDOUT,
             ))
+        if self.settings.floor:
+            await self._start_floor()
         for index in range(self.settings.executors):
             await self._wait_for_line(f"exec-{index}", "runs noop@", self.executors[index])
+
+    async def _start_floor(self) -> None:
+        """The design's floor: its service and as many workers as executors."""
+        await self._declare_floor_topology()
+        self.floor_service = subprocess.Popen(
+            [sys.executable, str(BENCH / "floor_service.py"), "--nats-url", self.url,
+             "--seed", str(self.bench_seed)],
+            cwd=REPO, env=self._env, stdout=self._log_file("floor-service"),
+            stderr=subprocess.STDOUT,
+        )
+        await self._wait_for_line("floor-service", FLOOR_SERVICE_READY, self.floor_service)
+        for index in range(self.settings.executors):
+            log = self._log_file(f"floor-{index}")
+            self.floor_workers.append(subprocess.Popen(
+                [
+                    sys.executable, str(BENCH / "raw_roundtrip_worker.py"),
+                    "--nats-url", self.url, "--seed", str(self.bench_seed),
+                    "--stream", FLOOR["work_stream"], "--consumer", FLOOR["work_consumer"],
+                    "--result-subject", FLOOR["result"], "--lease-subject", FLOOR["lease"],
+                    "--batch", str(self.settings.batch), "--name", f"floor-{index}",
+                ],
+                cwd=REPO, env=self._env, stdout=log, stderr=subprocess.STDOUT,
+            ))
 
     async def _wait_for_service(self, timeout_s: float = 30.0) -> None:
         assert self.credentials is not None and self.service is not None
@@ -566,20 +607,36 @@ class Stack:
         raise RuntimeError(f"{name} did not start:\n{self.log(name)}")
 
     async def _declare_raw_topology(self) -> None:
+        await self._declare_streams((
+            (RAW_WORK_STREAM, RAW_WORK_SUBJECT, RetentionPolicy.WORK_QUEUE, RAW_WORK_CONSUMER),
+            (RAW_RESULTS_STREAM, RAW_RESULT_SUBJECT, RetentionPolicy.LIMITS,
+             RAW_RESULTS_CONSUMER),
+        ))
+
+    async def _declare_floor_topology(self) -> None:
+        await self._declare_streams((
+            (FLOOR["work_stream"], FLOOR["work"], RetentionPolicy.WORK_QUEUE,
+             FLOOR["work_consumer"]),
+            (FLOOR["results_stream"], FLOOR["result"], RetentionPolicy.LIMITS,
+             FLOOR["results_consumer"]),
+            (FLOOR["feed_stream"], FLOOR["feed"] + ".>", RetentionPolicy.LIMITS, None),
+        ))
+
+    async def _declare_streams(
+        self, streams: Sequence[tuple[str, str, RetentionPolicy, str | None]]
+    ) -> None:
         # The same stream kinds and consumer settings as ledger.nats.topology
-        # declares for OPS_WORK / OPS_RESULTS, on other subjects.
+        # declares for OPS_WORK / OPS_RESULTS / OPS_FEED, on other subjects.
         nc = await nats.connect(self.url, nkeys_seed=str(self.bench_seed))
         try:
             js = nc.jetstream()
-            for stream, subject, retention, consumer in (
-                (RAW_WORK_STREAM, RAW_WORK_SUBJECT, RetentionPolicy.WORK_QUEUE, RAW_WORK_CONSUMER),
-                (RAW_RESULTS_STREAM, RAW_RESULT_SUBJECT, RetentionPolicy.LIMITS,
-                 RAW_RESULTS_CONSUMER),
-            ):
+            for stream, subject, retention, consumer in streams:
                 await js.add_stream(StreamConfig(
                     name=stream, subjects=[subject], retention=retention,
                     storage=StorageType.FILE, duplicate_window=120,
                 ))
+                if consumer is None:
+                    continue
                 await js.add_consumer(stream, ConsumerConfig(
                     name=consumer, durable_name=consumer, filter_subject=subject,
                     ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
@@ -596,6 +653,8 @@ class Stack:
             "service": [process.pid for process in self.services],
             "executors": [p.pid for p in self.executors],
             "raw-workers": [p.pid for p in self.raw_workers],
+            "floor-service": [self.floor_service.pid] if self.floor_service else [],
+            "floor-workers": [p.pid for p in self.floor_workers],
         }
 
     def _database_args(self) -> list[str]:
@@ -610,6 +669,10 @@ class Stack:
         """Stop everything this stack started (workers first, the server last)."""
         for index, process in enumerate(self.raw_workers):
             _stop(process, f"raw-{index}")
+        for index, process in enumerate(self.floor_workers):
+            _stop(process, f"floor-{index}")
+        if self.floor_service is not None:
+            _stop(self.floor_service, "floor-service")
         for index, process in enumerate(self.executors):
             _stop(process, f"exec-{index}")
         for index, process in enumerate(self.services[1:], start=1):
@@ -864,6 +927,54 @@ class RawDriver(Driver):
             await self._nc.close()
 
 
+class FloorDriver(Driver):
+    """The design's floor: the host's side of every message of an operation, against
+    `bench/floor_service.py` (no ledger work); `lease=False` skips the lease hop."""
+
+    def __init__(self, stack: Stack, *, lease: bool) -> None:
+        self.stack = stack
+        self.lease = lease
+        self.name = "floor-4hop" if lease else "floor-3hop"
+        self._nc: Client | None = None
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def start(self) -> None:
+        """Connect as the bench user and subscribe to the outcome notices."""
+        self._nc = await nats.connect(self.stack.url, nkeys_seed=str(self.stack.bench_seed),
+                                      error_cb=_ignore_error)
+        await self._nc.subscribe(FLOOR["outcome"] + ".*", cb=self._on_outcome)
+        await self._nc.flush()
+
+    async def _on_outcome(self, message: Any) -> None:
+        future = self._waiting.pop(message.subject.rsplit(".", 1)[-1], None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    async def run_one(self, key: str) -> bool:
+        """Propose (a request of a real proposal's size) and await the outcome notice."""
+        assert self._nc is not None
+        operation_id = f"floor-{key}"
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[operation_id] = future
+        proposal = orjson.dumps({"operation_id": operation_id, "lease": self.lease,
+                                 "tool_name": TOOL, "arguments": {"n": 1}, "pad": "p" * 350})
+        try:
+            reply = await self._nc.request(FLOOR["propose"], proposal, timeout=PROPOSE_TIMEOUT_S)
+            if orjson.loads(reply.data)["state"] != "ready":
+                return False
+            await asyncio.wait_for(future, OUTCOME_TIMEOUT_S)
+        finally:
+            self._waiting.pop(operation_id, None)
+        return True
+
+    async def close(self) -> None:
+        """Disconnect."""
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.flush(timeout=2)
+            await self._nc.close()
+
+
 # ------------------------------------------------------------------- breakdown
 
 STAGES = (
@@ -998,6 +1109,8 @@ async def run_config(settings: Settings, args: argparse.Namespace, root: Path) -
         # The baseline first, on a quiet stack: an overloaded ledger phase can
         # leave the service busy with queued requests for a while.
         drivers: list[Driver] = [RawDriver(stack)]
+        if settings.floor:
+            drivers += [FloorDriver(stack, lease=True), FloorDriver(stack, lease=False)]
         drivers += [LedgerDriver(stack, mode) for mode in args.host_modes]
         for driver in drivers:
             await driver.start()
@@ -1115,6 +1228,18 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
             if at_rate and raw:
                 print(f"  ratio ledger/{mode} to raw at {rate:g}/s: p50 "
                       f"{at_rate.p(50) / raw.p(50):.1f}, p99 {at_rate.p(99) / raw.p(99):.1f}")
+        for floor in ("floor-4hop", "floor-3hop"):
+            bound = report.phases.get(f"{floor} throughput")
+            if tp and bound:
+                line = (f"  ratio ledger/{mode} to {floor}: throughput"
+                        f" {tp.ops_per_s / bound.ops_per_s:.3f}")
+                for rate in args.rate:
+                    at_rate = report.phases.get(f"ledger/{mode} @{rate:g}/s")
+                    floor_at = report.phases.get(f"{floor} @{rate:g}/s")
+                    if at_rate and floor_at:
+                        line += (f"; at {rate:g}/s p50 {at_rate.p(50) / floor_at.p(50):.1f},"
+                                 f" p99 {at_rate.p(99) / floor_at.p(99):.1f}")
+                print(line)
         at_200 = report.phases.get(f"ledger/{mode} @200/s")
         if tp:
             verdict = "met" if tp.ops_per_s >= 1000 else "MISSED"
@@ -1143,6 +1268,19 @@ def print_summary(reports: Sequence[ConfigReport], args: argparse.Namespace) -> 
                     flag = "!" if _overloaded(phase, rate) else ""
                     line += (f" | @{rate:g}/s{flag} {phase.p(50):.1f}/{phase.p(99):.1f}"
                              f" (raw {raw.p(50):.1f}/{raw.p(99):.1f})")
+            print(line)
+        for floor in ("floor-4hop", "floor-3hop"):
+            bound = report.phases.get(f"{floor} throughput")
+            if not bound or not raw_tp:
+                continue
+            ratio = bound.ops_per_s / raw_tp.ops_per_s
+            line = (f"  {report.settings.label} {floor}: {bound.ops_per_s:7.1f} ops/s "
+                    f"(raw {raw_tp.ops_per_s:7.1f}, ratio {ratio:.3f})")
+            for rate in args.rate:
+                phase = report.phases.get(f"{floor} @{rate:g}/s")
+                if phase:
+                    flag = "!" if _overloaded(phase, rate) else ""
+                    line += f" | @{rate:g}/s{flag} {phase.p(50):.1f}/{phase.p(99):.1f}"
             print(line)
     print("  (! = the stack could not sustain that rate: latencies are queueing, failures counted)")
     for report in reports:
@@ -1213,6 +1351,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--services", type=_ints, default=[1],
                         help="ledger service processes sharing the request subjects, a"
                         " list: e.g. 1,2 (PostgreSQL only: the production topology)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run the design's floor after the raw round trip: every"
+                        " NATS message of an operation with no ledger work"
+                        " (bench/floor_service.py), with the lease hop (floor-4hop) and"
+                        " without it (floor-3hop)")
     parser.add_argument("--storage", type=lambda s: [m for m in s.split(",") if m],
                         default=["sqlite"],
                         help="sqlite and/or postgres (a fresh schema at"
@@ -1231,7 +1374,7 @@ async def _main(args: argparse.Namespace, root: Path) -> None:
             continue
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
                             args.service_patches, args.executor_patches, storage, prefill,
-                            budget, services)
+                            budget, services, args.floor)
         reports.append(await run_config(settings, args, root))
         print_report(reports[-1], args)
         sys.stdout.flush()

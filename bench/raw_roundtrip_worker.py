@@ -7,8 +7,13 @@ a results stream and wait for its PubAck, then ack the work item. So the round
 trip it gives is the JetStream floor under one operation, in the same process
 layout (a separate process) as the real executor.
 
+With `--lease-subject` it is also the executor of the design's floor
+(`bench/floor_service.py`): an item that says `"lease": true` asks for its lease
+there (a request and its reply) before it publishes the result.
+
     python bench/raw_roundtrip_worker.py --nats-url URL --seed FILE --stream S \\
-        --consumer C --result-subject SUBJ [--batch 1] [--max-seconds 900]
+        --consumer C --result-subject SUBJ [--batch 1] [--max-seconds 900] \\
+        [--lease-subject SUBJ]
 
 Stops on SIGTERM/SIGINT, or after `--max-seconds` in any case.
 """
@@ -40,21 +45,34 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--name", default="raw-worker")
     parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--lease-subject", default=None,
+                        help="where an item that asks for a lease asks for it (the floor)")
     return parser
 
 
-async def _handle(js: Any, args: argparse.Namespace, message: Any) -> None:
+async def _handle(nc: Any, js: Any, args: argparse.Namespace, message: Any) -> None:
     """One item: a result published (PubAck awaited), then the item acked."""
     item = orjson.loads(message.data)
+    leased = bool(args.lease_subject and item.get("lease"))
+    if leased:
+        reply = await nc.request(
+            args.lease_subject,
+            orjson.dumps({"id": item["id"], "executor": args.name, "attempt": 1}),
+            timeout=10,
+        )
+        if orjson.loads(reply.data)["decision"] != "execute":
+            await message.term()
+            return
     # About the size of a real result envelope, built per item.
-    result = orjson.dumps(
-        {
-            "operation_id": item["id"],
-            "ok": True,
-            "data": {"ok": True},
-            "provenance": {"tool": "raw", "executor": args.name, "attempt": 1},
-        }
-    )
+    envelope: dict[str, Any] = {
+        "operation_id": item["id"],
+        "ok": True,
+        "data": {"ok": True},
+        "provenance": {"tool": "raw", "executor": args.name, "attempt": 1},
+    }
+    if args.lease_subject:
+        envelope["leased"] = leased
+    result = orjson.dumps(envelope)
     await js.publish(args.result_subject, result, headers={"Nats-Msg-Id": f"r-{item['id']}"})
     await message.ack()
 
@@ -79,7 +97,7 @@ async def _work(args: argparse.Namespace) -> int:
                 continue
             # A short wait only so that a stop is noticed quickly.
             for message in await work.take(free, timeout=1.0):
-                task = loop.create_task(_handle(js, args, message))
+                task = loop.create_task(_handle(nc, js, args, message))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
                 handled += 1
