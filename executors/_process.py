@@ -173,6 +173,49 @@ class _StoppedOnCancel(Exception):
     """The tool stopped on a cancel request before any effect (internal control flow)."""
 
 
+class _Heartbeats:
+    """In-progress acks every interval while one item is processed, until `stop`.
+
+    In-progress acks reset the consumer's ack timer, so long work is not
+    redelivered to a second executor while this one is still on it. A timer, not a
+    task, waits for each: most items are done within one interval and never need
+    one. One ack at a time: the next interval starts when the last ack is done.
+    """
+
+    def __init__(self, interval: float, heartbeat: HeartbeatFn, log: logging.Logger) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._interval = interval
+        self._heartbeat = heartbeat
+        self._log = log
+        self._stopped = False
+        self._beating: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(interval, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        self._beating = self._loop.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        try:
+            await self._heartbeat()
+        except Exception:  # a lost heartbeat only risks a redelivery, which converges
+            self._log.warning("in-progress ack failed", exc_info=True)
+        if not self._stopped:
+            self._timer = self._loop.call_later(self._interval, self._due)
+
+    async def stop(self) -> None:
+        """No more acks; an ack under way is cancelled."""
+        self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        beating, self._beating = self._beating, None
+        if beating is not None and not beating.done():
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+
+
 class _Untrusted(Exception):
     """The tool's output cannot be reported as it is (internal control flow)."""
 
@@ -290,27 +333,15 @@ class ItemProcessor:
         delivery: int = 1,
     ) -> ItemDisposition:
         """Decide what to do with one work item; `delivery` is JetStream's delivery count."""
-        beat = asyncio.create_task(self._heartbeat(heartbeat))
+        beats = _Heartbeats(self._heartbeat_interval, heartbeat, self._log)
         try:
             disposition = await self._process(payload, lease, delivery)
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await beats.stop()
         self.metrics.items.labels(tool=self.contract.name, action=disposition.reason).inc()
         if disposition.action is ItemAction.NAK:
             self.metrics.retries.labels(reason=disposition.reason).inc()
         return disposition
-
-    async def _heartbeat(self, heartbeat: HeartbeatFn) -> None:
-        # In-progress acks reset the consumer's ack timer, so long work is not
-        # redelivered to a second executor while this one is still on it.
-        while True:
-            await asyncio.sleep(self._heartbeat_interval)
-            try:
-                await heartbeat()
-            except Exception:  # a lost heartbeat only risks a redelivery, which converges
-                self._log.warning("in-progress ack failed", exc_info=True)
 
     async def _process(self, payload: bytes, lease: LeaseFn, delivery: int) -> ItemDisposition:
         try:
@@ -611,31 +642,43 @@ class ItemProcessor:
         and the call runs on to its outcome. `TimeoutError` at the deadline.
         """
         run = asyncio.ensure_future(_invoke(self.tool.run, arguments, context))
-        watch = asyncio.create_task(self._watch_for_cancel(attempt, context, lease))
+        watch: asyncio.Task[bool] | None = None
         try:
-            done, _ = await asyncio.wait(
-                {run, watch},
-                timeout=max(deadline - time.monotonic(), 0),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            # Most calls finish within one progress interval, before any check-in is
+            # due: they get no check-in task (a task per item was a fifth of an
+            # executor's CPU at throughput, bench/e2e_bench.py).
+            remaining = max(deadline - time.monotonic(), 0)
+            done, _ = await asyncio.wait({run}, timeout=min(self._heartbeat_interval, remaining))
             if run in done:
                 return run.result()
-            if watch in done and watch.result():
-                run.cancel()
-                raise _StoppedOnCancel
+            if self._heartbeat_interval < remaining:
+                watch = asyncio.create_task(self._watch_for_cancel(attempt, context, lease))
+                done, _ = await asyncio.wait(
+                    {run, watch},
+                    timeout=max(deadline - time.monotonic(), 0),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if run in done:
+                    return run.result()
+                if watch in done and watch.result():
+                    run.cancel()
+                    raise _StoppedOnCancel
             # Too late to stop (or nothing asked): the call runs to its deadline.
             return await asyncio.wait_for(run, timeout=max(deadline - time.monotonic(), 0))
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
             if not run.done():
                 run.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watch
+            if watch is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await watch
 
     async def _watch_for_cancel(
         self, attempt: _Attempt, context: ToolContext, lease: LeaseFn
     ) -> bool:
-        """Check in every progress interval; True once the tool stopped on a cancel.
+        """Check in now and then every progress interval (started once the tool has run
+        for one); True once the tool stopped on a cancel.
 
         Returns False (and checks in no more) when a cancel came too late to stop
         it; never returns otherwise, so the run decides.
@@ -643,8 +686,10 @@ class ItemProcessor:
         request = LeaseRequest(
             operation_id=attempt.operation_id, executor=self.executor, holding=attempt.fencing_token
         )
+        pause = 0.0
         while True:
-            await asyncio.sleep(self._heartbeat_interval)
+            await asyncio.sleep(pause)
+            pause = self._heartbeat_interval
             try:
                 reply = await lease(request)
             except Exception as exc:  # a lost check-in only delays a cancel

@@ -12,7 +12,7 @@ from typing import Any
 from executors import ItemAction, ProcessorOptions, Tool, ToolContext
 from executors._process import ItemProcessor
 from schemas import CANCELLED_BEFORE_EFFECT, LeaseDecision, LeaseReply, LeaseRequest
-from tests.executors.helpers import FakeLedger, contract, process, reply, work_item
+from tests.executors.helpers import FakeLedger, Heartbeats, contract, process, reply, work_item
 
 TOOL = "search_documents"
 ARGS = {"query": "refund window", "source_types": ["policy"], "top_k": 3}
@@ -125,3 +125,51 @@ def test_a_lookups_answer_names_the_lookup_the_lease_named() -> None:
     disposition = process(_processor(implementation), work_item("op-1", TOOL), FakeLedger(lease))
     assert disposition.envelope is not None
     assert (disposition.envelope.outcome_unknown, disposition.envelope.lookup) == (True, 3)
+
+
+def _after_done(processor: ItemProcessor, ledger: FakeLedger, beats: Heartbeats) -> list[int]:
+    """Process one item, then wait five intervals more in the same loop; the counts of
+    in-progress acks and check-ins when the item was done and after the wait."""
+
+    async def run() -> list[int]:
+        await processor.process(work_item("op-1", TOOL), lease=ledger, heartbeat=beats)
+        done = [beats.count, len([r for r in ledger.requests if r.holding is not None])]
+        await asyncio.sleep(INTERVAL_S * 5)
+        return [*done, beats.count, len([r for r in ledger.requests if r.holding is not None])]
+
+    return asyncio.run(run())
+
+
+def test_a_call_done_within_one_interval_neither_checks_in_nor_acks_in_progress() -> None:
+    fast = Tool(name=TOOL, run=lambda _a, _c: OUT)
+    assert _after_done(_processor(fast), _ledger(cancel_after=10_000), Heartbeats()) == [0, 0, 0, 0]
+
+
+def test_nothing_checks_in_or_acks_in_progress_once_the_item_is_done() -> None:
+    """Check-ins and in-progress acks wait on timers (no task for an item done within
+    one interval): a timer left behind would ack an acked item, and check in for a
+    call that has finished."""
+    ran: list[str] = []
+    beats = Heartbeats()
+    ledger = _ledger(cancel_after=10_000)
+    counts = _after_done(_processor(_slow(True, ran)), ledger, beats)
+    assert ran == ["finished"]
+    assert counts[0] >= 5 and counts[1] >= 5  # it did both while the call ran
+    assert counts[2:] == counts[:2]
+
+
+def test_a_call_that_outlives_its_timeout_between_check_ins_times_out() -> None:
+    ran: list[str] = []
+
+    def answer(request: LeaseRequest) -> LeaseReply:
+        if request.holding is None:
+            return reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS, fencing_token=4,
+                         timeout_ms=150)
+        return reply(LeaseDecision.EXECUTE, "op-1", TOOL, fencing_token=4)
+
+    ledger = FakeLedger(answer)
+    disposition = process(_processor(_slow(True, ran)), work_item("op-1", TOOL), ledger)
+    assert disposition.envelope is not None and disposition.envelope.error is not None
+    assert disposition.envelope.error.code == "EXECUTION_TIMEOUT"
+    assert ran == []  # abandoned at its deadline
+    assert len([r for r in ledger.requests if r.holding is not None]) >= 2
