@@ -95,6 +95,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -185,6 +186,9 @@ class PhaseResult:
     failures: int
     latencies: list[float]
     cpu_ms_per_op: dict[str, float] = field(default_factory=dict)
+    nats_per_op: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    """Connection name → messages in and out and kilobytes through the server per
+    operation, from nats-server's own `/connz` (what each process sends and gets)."""
     rss_mb: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     """Process group → resident memory (MB) before and after the phase, and its peak."""
     service_rss_curve: list[float] = field(default_factory=list)
@@ -957,7 +961,7 @@ class FloorDriver(Driver):
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting[operation_id] = future
         proposal = orjson.dumps({"operation_id": operation_id, "lease": self.lease,
-                                 "tool_name": TOOL, "arguments": {"n": 1}, "pad": "p" * 350})
+                                 "tool_name": TOOL, "arguments": {"n": 1}, "pad": "p" * 600})
         try:
             reply = await self._nc.request(FLOOR["propose"], proposal, timeout=PROPOSE_TIMEOUT_S)
             if orjson.loads(reply.data)["state"] != "ready":
@@ -1044,6 +1048,7 @@ async def _with_cpu(
     }
     bench_before = time.process_time()
     machine_before = machine_busy_seconds()
+    connz_before = _connections(stack)
     curve: list[float] = []
 
     async def sample_service_memory() -> None:
@@ -1070,6 +1075,14 @@ async def _with_cpu(
     ours = sum(result.cpu_ms_per_op.values())
     machine = (machine_busy_seconds() - machine_before) * 1000 / ops
     result.cpu_ms_per_op["other"] = max(machine - ours, 0.0)
+    connz_after = _connections(stack)
+    for name, (msgs_in, msgs_out, kbytes) in connz_after.items():
+        was = connz_before.get(name, (0, 0, 0.0))
+        # Pings and idle pull heartbeats are no operation's messages.
+        if max(msgs_in - was[0], msgs_out - was[1]) >= 0.05 * ops:
+            result.nats_per_op[name] = (
+                (msgs_in - was[0]) / ops, (msgs_out - was[1]) / ops, (kbytes - was[2]) / ops
+            )
     for name, group in pids.items():
         if group:
             now = [memory_mb(p) for p in group]
@@ -1077,6 +1090,27 @@ async def _with_cpu(
                 rss_before[name], sum(r for r, _ in now), sum(peak for _, peak in now)
             )
     return result
+
+
+def _connections(stack: Stack) -> dict[str, tuple[int, int, float]]:
+    """Per connection name (summed over connections of one name): messages the server
+    got from it, messages it sent to it, and kilobytes both ways; empty without the
+    monitor."""
+    url = stack.server.monitor_url if stack.server is not None else None
+    if url is None:
+        return {}
+    with urllib.request.urlopen(f"{url}/connz?limit=1024", timeout=5) as response:
+        connz = json.loads(response.read())
+    totals: dict[str, tuple[int, int, float]] = {}
+    for conn in connz.get("connections", []):
+        name = conn.get("name") or "(unnamed)"
+        was = totals.get(name, (0, 0, 0.0))
+        # The server's in_msgs are what the client published; out_msgs what it delivered.
+        totals[name] = (
+            was[0] + conn.get("in_msgs", 0), was[1] + conn.get("out_msgs", 0),
+            was[2] + (conn.get("in_bytes", 0) + conn.get("out_bytes", 0)) / 1024,
+        )
+    return totals
 
 
 async def _quiesce(stack: Stack, timeout_s: float = 180.0, window_s: float = 0.5) -> None:
@@ -1201,6 +1235,13 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
             total = sum(v for k, v in phase.cpu_ms_per_op.items()
                         if k != "other" and not math.isnan(v))
             print(f"  CPU ms/op, {name}: {parts} (ours {total:.2f})")
+        if phase.nats_per_op:
+            counts = phase.nats_per_op.values()
+            parts = ", ".join(f"{k} {i:.1f}/{o:.1f}/{kb:.1f}"
+                              for k, (i, o, kb) in sorted(phase.nats_per_op.items()))
+            print(f"  NATS per op (messages in/out, KB), {name}: {parts}; all"
+                  f" {sum(c[0] for c in counts):.1f}/{sum(c[1] for c in counts):.1f}"
+                  f"/{sum(c[2] for c in counts):.1f}")
         if "service" in phase.rss_mb:
             start, end, peak = phase.rss_mb["service"]
             print(f"  service memory MB, {name}: {start:.0f} -> {end:.0f} (peak {peak:.0f})")

@@ -54,8 +54,8 @@ FLOOR = {
 _CONFIRM_EVERY_S = 0.05  # as the relay: one feed record with a PubAck now and then
 # About the sizes of the real messages of a no-op call (a feed record carries its
 # event; a reply or notice carries the operation's status).
-_REPLY_PAD = "x" * 300
-_FEED_PAD = "y" * 600
+_REPLY_PAD = "x" * 450
+_FEED_PAD = "y" * 850
 _ITEM_PAD = "z" * 350
 _NOTICE_PAD = "w" * 400
 
