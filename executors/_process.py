@@ -173,7 +173,7 @@ class _StoppedOnCancel(Exception):
     """The tool stopped on a cancel request before any effect (internal control flow)."""
 
 
-class _Heartbeats:
+class _ProgressAcks:
     """In-progress acks every interval while one item is processed, until `stop`.
 
     In-progress acks reset the consumer's ack timer, so long work is not
@@ -212,8 +212,16 @@ class _Heartbeats:
         beating, self._beating = self._beating, None
         if beating is not None and not beating.done():
             beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+            await _ended(beating)
+
+
+async def _ended(task: asyncio.Task[Any]) -> None:
+    """Wait for a task just cancelled to end. Not `await task` under
+    `suppress(CancelledError)`: that would also swallow a cancel of the caller that
+    arrives meanwhile (an executor stopping), and the caller would run on."""
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: its failure has no one else to go to
 
 
 class _Untrusted(Exception):
@@ -260,7 +268,8 @@ class ProcessorOptions:
     clock: Callable[[], datetime] = _utcnow
     """The wall clock for deadlines and timestamps (a fake in tests)."""
     heartbeat_interval_s: float = 5.0
-    """Seconds between in-progress acks while a tool runs."""
+    """Seconds between in-progress acks while an item is processed, and between the
+    ledger check-ins of a running tool (the first one interval after it started)."""
     retry_delay_s: float = 5.0
     """Seconds before an item comes back after a problem on this side (no lease answer,
     a failed lookup)."""
@@ -333,11 +342,11 @@ class ItemProcessor:
         delivery: int = 1,
     ) -> ItemDisposition:
         """Decide what to do with one work item; `delivery` is JetStream's delivery count."""
-        beats = _Heartbeats(self._heartbeat_interval, heartbeat, self._log)
+        acks = _ProgressAcks(self._heartbeat_interval, heartbeat, self._log)
         try:
             disposition = await self._process(payload, lease, delivery)
         finally:
-            await beats.stop()
+            await acks.stop()
         self.metrics.items.labels(tool=self.contract.name, action=disposition.reason).inc()
         if disposition.action is ItemAction.NAK:
             self.metrics.retries.labels(reason=disposition.reason).inc()
@@ -645,12 +654,15 @@ class ItemProcessor:
         watch: asyncio.Task[bool] | None = None
         try:
             # Most calls finish within one progress interval, before any check-in is
-            # due: they get no check-in task (a task per item was a fifth of an
-            # executor's CPU at throughput, bench/e2e_bench.py).
+            # due: they get no check-in task (with the in-progress acks' task, two
+            # tasks per item were a fifth of an executor's CPU at throughput,
+            # bench/e2e_bench.py).
             remaining = max(deadline - time.monotonic(), 0)
             done, _ = await asyncio.wait({run}, timeout=min(self._heartbeat_interval, remaining))
             if run in done:
                 return run.result()
+            # A check-in is due now, unless the deadline comes first (then none would
+            # be made before it, as when the check-ins started with the call).
             if self._heartbeat_interval < remaining:
                 watch = asyncio.create_task(self._watch_for_cancel(attempt, context, lease))
                 done, _ = await asyncio.wait(
@@ -663,7 +675,8 @@ class ItemProcessor:
                 if watch in done and watch.result():
                     run.cancel()
                     raise _StoppedOnCancel
-            # Too late to stop (or nothing asked): the call runs to its deadline.
+            # Too late to stop, nothing asked, or the deadline within one interval: the
+            # call runs to its deadline.
             return await asyncio.wait_for(run, timeout=max(deadline - time.monotonic(), 0))
         finally:
             if watch is not None:
@@ -671,14 +684,13 @@ class ItemProcessor:
             if not run.done():
                 run.cancel()
             if watch is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await watch
+                await _ended(watch)
 
     async def _watch_for_cancel(
         self, attempt: _Attempt, context: ToolContext, lease: LeaseFn
     ) -> bool:
-        """Check in now and then every progress interval (started once the tool has run
-        for one); True once the tool stopped on a cancel.
+        """Check in at once, then every progress interval (started once the tool has
+        run for one interval); True once the tool stopped on a cancel.
 
         Returns False (and checks in no more) when a cancel came too late to stop
         it; never returns otherwise, so the run decides.
@@ -688,7 +700,8 @@ class ItemProcessor:
         )
         pause = 0.0
         while True:
-            await asyncio.sleep(pause)
+            if pause:
+                await asyncio.sleep(pause)
             pause = self._heartbeat_interval
             try:
                 reply = await lease(request)

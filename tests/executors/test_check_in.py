@@ -9,6 +9,8 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
+
 from executors import ItemAction, ProcessorOptions, Tool, ToolContext
 from executors._process import ItemProcessor
 from schemas import CANCELLED_BEFORE_EFFECT, LeaseDecision, LeaseReply, LeaseRequest
@@ -140,9 +142,54 @@ def _after_done(processor: ItemProcessor, ledger: FakeLedger, beats: Heartbeats)
     return asyncio.run(run())
 
 
-def test_a_call_done_within_one_interval_neither_checks_in_nor_acks_in_progress() -> None:
+def test_a_call_done_within_one_interval_gets_no_check_in_task_nor_acks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path: no task that would check in (it costs a task per item even when
+    it never checks in), and no in-progress ack."""
     fast = Tool(name=TOOL, run=lambda _a, _c: OUT)
-    assert _after_done(_processor(fast), _ledger(cancel_after=10_000), Heartbeats()) == [0, 0, 0, 0]
+    processor = ItemProcessor(fast, contract(TOOL), ProcessorOptions("exec-1",
+                                                                     heartbeat_interval_s=0.5))
+    watchers: list[str] = []
+    watch = processor._watch_for_cancel
+
+    def recorded(*args: Any) -> Any:
+        watchers.append("started")
+        return watch(*args)
+
+    monkeypatch.setattr(processor, "_watch_for_cancel", recorded)
+    disposition = process(processor, work_item("op-1", TOOL), _ledger(cancel_after=10_000),
+                          heartbeat=(beats := Heartbeats()))
+    assert disposition.envelope is not None and disposition.envelope.ok
+    assert watchers == [] and beats.count == 0
+
+
+def test_the_first_check_in_comes_one_interval_after_the_call_started() -> None:
+    """A call that runs one and a half intervals is checked in on once, at the first
+    interval, and so can still be stopped then (were the first check-in an interval
+    later, the call would finish first)."""
+    ran: list[str] = []
+
+    async def run(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        await asyncio.sleep(0.15)
+        ran.append("finished")
+        return OUT
+
+    slow = Tool(name=TOOL, run=run)
+
+    @slow.canceller
+    def _cancel(operation_id: str, context: ToolContext) -> bool:
+        ran.append("stopped")
+        return True
+
+    ledger = _ledger(cancel_after=1)
+    processor = ItemProcessor(slow, contract(TOOL), ProcessorOptions("exec-1",
+                                                                     heartbeat_interval_s=0.1))
+    disposition = process(processor, work_item("op-1", TOOL), ledger)
+    assert disposition.envelope is not None and disposition.envelope.error is not None
+    assert disposition.envelope.error.code == CANCELLED_BEFORE_EFFECT
+    assert ran == ["stopped"]
+    assert len([r for r in ledger.requests if r.holding is not None]) == 1
 
 
 def test_nothing_checks_in_or_acks_in_progress_once_the_item_is_done() -> None:

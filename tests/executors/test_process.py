@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -756,6 +757,94 @@ def test_a_failing_heartbeat_does_not_fail_the_item() -> None:
         )
     )
     assert envelope_of(result).ok
+
+
+def test_in_progress_acks_go_on_after_one_fails() -> None:
+    """A failed ack is logged and the next one comes an interval later: were the acks to
+    stop, long work would be redelivered to a second executor."""
+    calls: list[float] = []
+
+    async def first_fails() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise ConnectionError
+
+    ledger = FakeLedger(
+        reply(LeaseDecision.EXECUTE, "op-1", READ, arguments=READ_ARGS, timeout_ms=5000)
+    )
+    result = asyncio.run(
+        processor(sleeping(READ, 0.3, READ_OUT), heartbeat_interval_s=0.05).process(
+            work_item("op-1", READ), lease=ledger, heartbeat=first_fails
+        )
+    )
+    assert envelope_of(result).ok
+    assert len(calls) >= 3
+
+
+def test_a_slow_in_progress_ack_is_never_overlapped_nor_outlives_the_item() -> None:
+    """One ack at a time, the next an interval after the last one ended; an ack under
+    way when the item is done is cancelled, and none starts after it."""
+    spans: list[list[float]] = []
+
+    async def slow() -> None:
+        spans.append([time.monotonic()])
+        try:
+            await asyncio.sleep(0.08)  # longer than the interval
+        finally:
+            spans[-1].append(time.monotonic())
+
+    async def run() -> tuple[Any, int]:
+        ledger = FakeLedger(
+            reply(LeaseDecision.EXECUTE, "op-1", READ, arguments=READ_ARGS, timeout_ms=5000)
+        )
+        disposition = await processor(
+            sleeping(READ, 0.4, READ_OUT), heartbeat_interval_s=0.05
+        ).process(work_item("op-1", READ), lease=ledger, heartbeat=slow)
+        started = len(spans)
+        await asyncio.sleep(0.3)
+        return disposition, started
+
+    result, started = asyncio.run(run())
+    assert envelope_of(result).ok
+    assert started >= 2 and len(spans) == started  # none began after the item was done
+    assert all(len(span) == 2 for span in spans)  # each ended, the last one cancelled
+    for earlier, later in itertools.pairwise(spans):
+        assert later[0] >= earlier[1]  # never two at once
+
+
+def test_an_executor_stopping_while_an_ack_ends_is_not_swallowed() -> None:
+    """Found in review: stopping the acks awaited the cancelled ack under
+    `suppress(CancelledError)`, which also swallowed a cancel of the item's own task
+    arriving meanwhile (the executor stopping): the item ran on as if not cancelled."""
+
+    async def run() -> bool:
+        ending = asyncio.Event()
+
+        async def stubborn() -> None:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                ending.set()
+                await asyncio.sleep(0.2)  # takes its time to end
+                raise
+
+        ledger = FakeLedger(
+            reply(LeaseDecision.EXECUTE, "op-1", READ, arguments=READ_ARGS, timeout_ms=5000)
+        )
+        item = asyncio.create_task(
+            processor(sleeping(READ, 0.08, READ_OUT), heartbeat_interval_s=0.05).process(
+                work_item("op-1", READ), lease=ledger, heartbeat=stubborn
+            )
+        )
+        await ending.wait()  # the item is done; its acks are being stopped
+        item.cancel()
+        try:
+            await item
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    assert asyncio.run(run())
 
 
 def test_metrics_count_outcomes_without_operation_labels() -> None:
