@@ -197,9 +197,16 @@ class _Connection:
         self._client = None
         if stop is not None:
             stop.set()
-        if owner is not None:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(owner, timeout=5)
+        if owner is None:
+            return
+        # Not `wait_for` under `suppress(CancelledError)`: that also swallowed a cancel
+        # of the caller arriving meanwhile (an executor stopping), which then ran on.
+        done, _ = await asyncio.wait({owner}, timeout=5)
+        if not done:
+            owner.cancel()  # it does not close: it must not outlive the session
+            await asyncio.wait({owner})
+        if not owner.cancelled():
+            owner.exception()  # retrieved: the owner logged how its session ended
 
 
 def _first_text(result: types.CallToolResult) -> str:

@@ -285,3 +285,34 @@ def test_two_tools_that_would_be_one_contract_are_refused_and_nothing_is_written
         write_drafts([drafts[0], drafts[2]], tmp_path)
     # All or nothing: get_note.yaml was not written beside the refused put_note.yaml.
     assert sorted(path.name for path in tmp_path.iterdir()) == ["put_note.yaml"]
+
+
+def test_dropping_a_session_does_not_swallow_a_cancel_of_the_caller() -> None:
+    """Found in stop 32's review of the same pattern in the executor: `drop` waited for
+    the session's owner under `suppress(CancelledError)`, so a caller cancelled meanwhile
+    (an executor stopping) ran on as if it had not been."""
+    from ledger.mcp.executor import _Connection
+
+    async def run() -> tuple[bool, bool]:
+        connection = _Connection(McpUpstream(url="https://notes.example/mcp"))
+        stop = asyncio.Event()
+
+        async def closing_slowly() -> None:
+            await stop.wait()
+            await asyncio.sleep(0.3)  # the session takes its time to close
+
+        owner = asyncio.create_task(closing_slowly())
+        connection._owner, connection._stop = owner, stop
+        caller = asyncio.create_task(connection.drop())
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        try:
+            await caller
+            cancelled = False
+        except asyncio.CancelledError:
+            cancelled = True
+        await asyncio.wait({owner}, timeout=2)
+        return cancelled, owner.done() and not owner.cancelled()
+
+    # The caller ends cancelled; the session still closes on its own.
+    assert asyncio.run(run()) == (True, True)
