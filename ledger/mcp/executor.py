@@ -201,7 +201,11 @@ class _Connection:
             return
         # Not `wait_for` under `suppress(CancelledError)`: that also swallowed a cancel
         # of the caller arriving meanwhile (an executor stopping), which then ran on.
-        done, _ = await asyncio.wait({owner}, timeout=5)
+        try:
+            done, _ = await asyncio.wait({owner}, timeout=5)
+        except asyncio.CancelledError:
+            owner.cancel()  # the caller stops: the session (and a server it started) too
+            raise
         if not done:
             owner.cancel()  # it does not close: it must not outlive the session
             await asyncio.wait({owner})
