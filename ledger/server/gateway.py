@@ -20,7 +20,10 @@ the append alone (the commands on the loop, only the insert and commit on a
 writer thread, a turn's answers sent once it is stored), lost on PostgreSQL
 too (two interleaved pairs: 377 and 379 against 425 and 377 operations/s,
 p99 at 200 operations/s 236 and 308 against 105 and 109 ms, service CPU 1.90
-and 1.95 against 1.72 and 1.83 ms/op).
+and 1.95 against 1.72 and 1.83 ms/op). On SQLite, group commit (commits without
+a sync, the log synced on a thread once per group, every message held until its
+commits were synced) was measured three ways and gained nothing or lost
+(`docs/performance.md`, stop 33).
 """
 
 from __future__ import annotations
