@@ -60,7 +60,11 @@ PostgreSQL with the ratio of their best throughputs.
         [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
         [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses] \\
         [--storage sqlite,postgres] [--prefill 0,1000000] [--budget 0,100000000] \\
-        [--peer dbos] [--floor]
+        [--peer dbos] [--floor] [--nats-rights production,open]
+
+`--nats-rights open` (a diagnostic) runs the stack with every identity a user of
+one account without permissions, to show what the accounts, imports and allow
+lists cost nats-server; a list runs each.
 
 `--budget N` gives the no-op a budget of N calls per hour (all the bench's calls
 are one caller's), so every proposal is counted against it as a production
@@ -382,6 +386,26 @@ def _with_bench_user(credentials: CredentialSet, seed_path: Path) -> str:
     return head + user + closing + tail
 
 
+def _open_accounts(credentials: CredentialSet, seed_path: Path) -> str:
+    """Every identity, and the bench's user, in one account without permissions.
+
+    A diagnostic only (`--nats-rights open`): the same processes, subjects and NKeys
+    as production, with none of the accounts, service imports and allow lists that
+    keep each executor to its own tool. What nats-server spends with them, against
+    this, is what least privilege costs it.
+    """
+    seed = new_user_seed()
+    seed_path.write_bytes(seed + b"\n")
+    seed_path.chmod(0o600)
+    keys = [identity.public_key for identity in credentials.identities]
+    keys.append(nkeys.from_seed(bytearray(seed)).public_key.decode())
+    users = "".join(f"      {{ nkey: {json.dumps(key)} }}\n" for key in keys)
+    return (
+        "accounts {\n  LEDGER {\n    jetstream: enabled\n    users: [\n"
+        f"{users}    ]\n  }}\n}}\n"
+    )
+
+
 @dataclass
 class Settings:
     """What one stack runs with."""
@@ -406,6 +430,10 @@ class Settings:
     floor: bool = False
     """Also run the design's floor (`bench/floor_service.py`): every message of an
     operation, no ledger work."""
+    nats_rights: str = "production"
+    """production: the accounts, imports and allow lists `opledger` deploys; open: every
+    identity a user of one account without permissions (a diagnostic: what least
+    privilege costs nats-server; the service then runs with the `any-reply` patch)."""
 
     @property
     def label(self) -> str:
@@ -421,6 +449,8 @@ class Settings:
             label += f" budget={self.budget:,}/h"
         if self.services > 1:
             label += f" services={self.services}"
+        if self.nats_rights != "production":
+            label += f" nats-rights={self.nats_rights}"
         return label
 
 
@@ -489,10 +519,12 @@ class Stack:
         self.credentials = generate_credentials(
             self.home / "creds", hosts=(HOST,), tools=(TOOL,), auditors=("auditor",)
         )
-        self.server = NatsServer(
-            self.home / "nats",
-            authorization=_with_bench_user(self.credentials, self.bench_seed),
+        authorization = (
+            _open_accounts(self.credentials, self.bench_seed)
+            if self.settings.nats_rights == "open"
+            else _with_bench_user(self.credentials, self.bench_seed)
         )
+        self.server = NatsServer(self.home / "nats", authorization=authorization)
         self.server.start()
         if self.settings.prefill:
             self.prefill_report = prefill_ledger(self, self.settings.prefill)
@@ -1397,6 +1429,11 @@ def build_parser() -> argparse.ArgumentParser:
                         " NATS message of an operation with no ledger work"
                         " (bench/floor_service.py), with the lease hop (floor-4hop) and"
                         " without it (floor-3hop)")
+    parser.add_argument("--nats-rights", type=_names, default=("production",),
+                        help="production and/or open, a list: open puts every identity in"
+                        " one account without permissions, to show what least privilege"
+                        " costs nats-server (a diagnostic; the service gets the any-reply"
+                        " patch)")
     parser.add_argument("--storage", type=lambda s: [m for m in s.split(",") if m],
                         default=["sqlite"],
                         help="sqlite and/or postgres (a fresh schema at"
@@ -1406,16 +1443,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _main(args: argparse.Namespace, root: Path) -> None:
     reports = []
-    for storage, prefill, budget, services, executors, batch in itertools.product(
-        args.storage, args.prefill, args.budget, args.services, args.executors, args.batch
+    for storage, prefill, budget, services, executors, batch, rights in itertools.product(
+        args.storage, args.prefill, args.budget, args.services, args.executors, args.batch,
+        args.nats_rights,
     ):
         if services > 1 and storage != "postgres":
             print(f"(skipping {storage} with {services} services: one SQLite file has"
                   " one writer; several services share a PostgreSQL)")
             continue
+        # Open rights: no service import rewrites a lease request's reply into `_R_.`,
+        # so the service must answer an executor's own inbox.
+        patches = (*args.service_patches, "any-reply") if rights == "open" else (
+            args.service_patches)
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
-                            args.service_patches, args.executor_patches, storage, prefill,
-                            budget, services, args.floor)
+                            patches, args.executor_patches, storage, prefill,
+                            budget, services, args.floor, rights)
         reports.append(await run_config(settings, args, root))
         print_report(reports[-1], args)
         sys.stdout.flush()

@@ -417,6 +417,21 @@ def _lease_in_result(_value: str) -> None:
     ResultRecording._apply = apply  # type: ignore[method-assign]
 
 
+def _any_reply(_value: str) -> None:
+    """Service: answer a request at any reply subject (for `e2e_bench --nats-rights open`).
+
+    Unsafe, for that diagnostic only: `reply_allowed` keeps the service from
+    publishing a lease answer anywhere but the `_R_.` subject the executor's service
+    import gives it, and with every identity in one account there is no import.
+    """
+    from ledger.server import requests
+
+    def reply_allowed(request_subject: str, reply: str | None) -> bool:  # noqa: ARG001
+        return bool(reply)
+
+    setattr(requests, "reply_allowed", reply_allowed)  # noqa: B010 (not exported there)
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
     "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
@@ -426,6 +441,7 @@ PATCHES: dict[str, Callable[[str], None]] = {
     "cpu-split": _cpu_split,
     "pg-statements": _pg_statements,
     "lease-in-result": _lease_in_result,
+    "any-reply": _any_reply,
 }
 """Experiment name → function applying it (its docstring names the source change)."""
 
