@@ -165,6 +165,17 @@ def cli_json(capsys: Any, *argv: str, expect: int = 0) -> Any:
     return json.loads(out)
 
 
+CREATION_LOCK_WAITS = (
+    "SELECT locktype FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    # This schema's creation lock only (`creation_lock_keys`): pg_locks is the whole
+    # server's, and another test may be waiting for its own lock at the same time.
+    # Two int4 keys are kept as classid and objid, both unsigned (oid).
+    " AND classid = (%s::bigint & 4294967295)::oid"
+    " AND objid = (%s::bigint & 4294967295)::oid AND objsubid = 2"
+)
+"""Waits for one schema's creation lock; its parameters are `creation_lock_keys(schema)`."""
+
+
 def seen_waiting(
     watcher: psycopg.Connection[tuple[object, ...]],
     query: str,

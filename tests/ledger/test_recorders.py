@@ -10,7 +10,8 @@ nothing of its batch stored.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -25,17 +26,19 @@ from eventsourcing.persistence import (
     StoredEvent,
 )
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
+from psycopg import Notify
 
 from ledger import Ledger, StorageConfig
 from ledger.adapters.creation_lock import CREATION_LOCK_SQL, creation_lock_keys
 from ledger.adapters.eventstore import EventStoreApp
-from ledger.adapters.notices import AppendNotice, notice_payloads, read_notice
+from ledger.adapters.notices import AppendNotice, notice_head, notice_payloads, read_notice
 from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.adapters.sql import SqlDatabase
 from ledger.domain.states import ResultDisposition
 from tests.conftest import drop_schema, postgres_storage_or_skip
 from tests.ledger.helpers import (
     ALICE,
+    CREATION_LOCK_WAITS,
     SEAL_KEY,
     event_types,
     make_ledger,
@@ -43,6 +46,10 @@ from tests.ledger.helpers import (
     search,
     seen_waiting,
 )
+
+# One worker for this and tests/nats/test_append_notices.py (pytest-xdist): the
+# headless notices sent here would be counted there, on the database's one channel.
+pytestmark = pytest.mark.xdist_group("append-notices")
 
 KEPT = {"items": [], "truncated": False, "next_cursor": "n1"}
 
@@ -149,6 +156,27 @@ def test_a_duplicate_version_is_an_integrity_error_and_stores_nothing_of_its_bat
     assert len(app.recorder.insert_events([fresh]) or []) == 1
 
 
+def _notices_of(
+    listener: psycopg.Connection[Any],
+    count: int,
+    ours: ArrayInsertRecorder,
+    *,
+    pids: Collection[int] = (),
+) -> list[Notify]:
+    """The next `count` notices on `listener` from this test's writers: those naming
+    `ours`'s store, and any sent by a session in `pids`. The channel is the whole
+    database's (named after the table, in every schema), and a test running beside
+    this one (pytest-xdist) notifies on it too; waits up to 5 s in all."""
+    kept: list[Notify] = []
+    deadline = time.monotonic() + 5
+    while len(kept) < count and (left := deadline - time.monotonic()) > 0:
+        for notice in listener.notifies(timeout=left, stop_after=1):
+            head = notice_head(notice.payload)
+            if notice.pid in pids or (head is not None and head[0] == ours.notice_store):
+                kept.append(notice)
+    return kept
+
+
 def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order(
     two_stores: tuple[EventStoreApp, PostgresApplicationRecorder, StorageConfig],
 ) -> None:
@@ -190,7 +218,7 @@ def test_an_append_holds_the_table_lock_to_its_commit_so_ids_follow_commit_order
         pool.shutdown()
         assert ids is not None and ids[0] > first
         # Each append notified the log's readers once it committed.
-        notices = list(listener.notifies(timeout=5, stop_after=2))
+        notices = _notices_of(listener, 2, ours, pids={other.info.backend_pid})
         assert [notice.channel for notice in notices] == [ours.channel_name] * 2
         # The other's was its own text; ours names whose events, which process, and
         # what it appended, for other instances (`ledger.adapters.notices`).
@@ -215,7 +243,7 @@ def test_an_append_of_many_operations_names_each_once_in_notices_postgresql_acce
     with psycopg.connect(storage.postgres_dsn or "", autocommit=True) as listener:
         listener.execute(f'LISTEN "{ours.channel_name}"')
         assert ours.insert_events(events)
-        notices = list(listener.notifies(timeout=5, stop_after=len(payloads)))
+        notices = _notices_of(listener, len(payloads), ours)
     read = [read_notice(notice.payload) for notice in notices]
     assert all(n is not None and n.writer == ours.notice_writer for n in read)
     assert [i for n in read if n is not None for i in n.operation_ids] == ids
@@ -235,7 +263,7 @@ def test_without_its_function_the_recorder_appends_statement_by_statement(
     with psycopg.connect(storage.postgres_dsn or "", autocommit=True) as listener:
         listener.execute(f'LISTEN "{ours.channel_name}"')
         ids = [ours.insert_events(_EVENTS[:2]), ours.insert_events(_EVENTS[2:])]
-        notices = list(listener.notifies(timeout=5, stop_after=2))
+        notices = _notices_of(listener, 2, ours)
     # Their notices name what they appended, as the function's do.
     assert [notice.payload for notice in notices] == [
         payload
@@ -297,7 +325,8 @@ def test_services_starting_together_create_the_tables_one_at_a_time(
         started = pool.submit(EventStoreApp, postgres_storage)
         waiting = seen_waiting(
             watcher,
-            "SELECT locktype FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            CREATION_LOCK_WAITS,
+            creation_lock_keys(postgres_storage.postgres_schema),
         )
         assert waiting == [("advisory",)]
         assert not started.done()

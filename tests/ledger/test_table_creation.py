@@ -25,9 +25,7 @@ from ledger.bootstrap import build_ledger
 from ledger.projections.operations_view import OperationsProjector
 from ledger.server.relay.position import RelayPositions
 from tests.conftest import drop_schema, postgres_storage_or_skip
-from tests.ledger.helpers import SEAL_KEY, seen_waiting
-
-_WAITING = "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+from tests.ledger.helpers import CREATION_LOCK_WAITS, SEAL_KEY, seen_waiting
 
 Creator = Callable[[StorageConfig, EventStoreApp | None], object]
 """(storage, the event store opened before the lock was held, if the schema has one)
@@ -98,7 +96,12 @@ def test_every_creator_waits_for_the_creators_lock(
         holder.execute(CREATION_LOCK_SQL, creation_lock_keys(postgres_storage.postgres_schema))
         with ThreadPoolExecutor(1) as pool:
             started = pool.submit(create, postgres_storage, events)
-            waiting = seen_waiting(watcher, _WAITING, unless=started.done)
+            waiting = seen_waiting(
+                watcher,
+                CREATION_LOCK_WAITS,
+                creation_lock_keys(postgres_storage.postgres_schema),
+                unless=started.done,
+            )
             assert waiting, f"finished without the lock: {started.result()!r}"
             assert not started.done()
             if create is _event_store:

@@ -31,7 +31,14 @@ from tests.conftest import drop_schema, postgres_storage_or_skip
 from tests.ledger.helpers import ALICE, make_ledger, search
 from tests.nats.conftest import NatsEnv
 
-pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(90)]
+# One worker for this and tests/ledger/test_recorders.py: their notices share the
+# database's channel, and the counts here would hear the headless ones sent there.
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.nats,
+    pytest.mark.timeout(90),
+    pytest.mark.xdist_group("append-notices"),
+]
 
 
 async def _work_items(js: Any) -> int:
