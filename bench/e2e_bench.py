@@ -364,6 +364,15 @@ def _contracts_dir(home: Path, budget: int = 0) -> Path:
     return directory
 
 
+def _new_bench_key(seed_path: Path) -> str:
+    """A new NKey user for the bench's own connections: its seed written to `seed_path`
+    (0600), its public key returned for the server's config."""
+    seed = new_user_seed()
+    seed_path.write_bytes(seed + b"\n")
+    seed_path.chmod(0o600)
+    return str(nkeys.from_seed(bytearray(seed)).public_key.decode())
+
+
 def _with_bench_user(credentials: CredentialSet, seed_path: Path) -> str:
     """The server's authorization block plus one unrestricted NKey user for the baseline.
 
@@ -371,10 +380,7 @@ def _with_bench_user(credentials: CredentialSet, seed_path: Path) -> str:
     authenticates the same way (an NKey user), without touching the ledger's
     own identities or their permissions.
     """
-    seed = new_user_seed()
-    seed_path.write_bytes(seed + b"\n")
-    seed_path.chmod(0o600)
-    public_key = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    public_key = _new_bench_key(seed_path)
     block = credentials.authorization_config
     head, closing, tail = block.partition(LEDGER_USERS_END)
     assert closing, "unexpected authorization block layout"
@@ -394,11 +400,8 @@ def _open_accounts(credentials: CredentialSet, seed_path: Path) -> str:
     keep each executor to its own tool. What nats-server spends with them, against
     this, is what least privilege costs it.
     """
-    seed = new_user_seed()
-    seed_path.write_bytes(seed + b"\n")
-    seed_path.chmod(0o600)
     keys = [identity.public_key for identity in credentials.identities]
-    keys.append(nkeys.from_seed(bytearray(seed)).public_key.decode())
+    keys.append(_new_bench_key(seed_path))
     users = "".join(f"      {{ nkey: {json.dumps(key)} }}\n" for key in keys)
     return (
         "accounts {\n  LEDGER {\n    jetstream: enabled\n    users: [\n"
