@@ -61,7 +61,6 @@ from ledger.nats import (
     connect_as,
     declare_topology,
     find_nats_server,
-    free_port,
     load_credentials,
     permissions_for,
 )
@@ -87,6 +86,7 @@ from schemas import (
 )
 from schemas._publish import WIRE_MODELS
 from tests.deploy.generator import GENERATOR, gen
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"

@@ -41,10 +41,11 @@ import psycopg
 import pytest
 import yaml
 
-from ledger.nats import connect_as, declare_topology, find_nats_server, free_port, load_credentials
+from ledger.nats import connect_as, declare_topology, find_nats_server, load_credentials
 from schemas import RESULTS_STREAM, WORK_STREAM, Subjects
 from tests.conftest import POSTGRES_DSN, REQUIRE_POSTGRES
 from tests.deploy.generator import GENERATOR, gen
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 OPERATIONS = REPO / "docs" / "operations.md"

@@ -30,9 +30,10 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from executors.samples.email import count_send_requests
 from ledger.client import AgentHostClient
-from ledger.nats import connect_as, free_port
+from ledger.nats import connect_as
 from schemas import RuntimeContext, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
+from tests.ports import free_port
 from tests.previews import await_preview
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]

@@ -17,11 +17,11 @@ import pytest
 from ledger import StorageConfig, build_ledger
 from ledger.client import AgentHostClient
 from ledger.nats import ClusterOptions, NatsServer, connect_as, generate_credentials
-from ledger.nats.supervisor import free_port
 from policy.catalog import CATALOG_DIR, sample_plugins
 from schemas import RESULTS_STREAM, WORK_STREAM, RuntimeContext, ToolProposal
 from tests.conftest import drop_schema, postgres_storage_or_skip
 from tests.e2e.conftest import SAMPLE_TOOLS, _stop
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(240)]
 

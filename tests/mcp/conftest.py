@@ -35,6 +35,7 @@ from ledger.mcp import GatewaySettings, McpGateway
 from ledger.nats import connect_as
 from schemas import RuntimeContext
 from tests.e2e.conftest import BackendStack, backend_stack
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACTS = Path(__file__).resolve().parent / "contracts"
@@ -69,13 +70,6 @@ def bearer_transport(
                 yield streams
 
     return transport()
-
-
-def free_port() -> int:
-    """A free loopback TCP port (free when asked)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_for_port(

@@ -19,7 +19,8 @@ from mcp import Client, MCPError
 
 from ledger.mcp import cli as mcp_cli
 from ledger.mcp._auth import TOKEN_ENV
-from tests.mcp.conftest import ROOT, McpStack, _stop, bearer_transport, free_port, wait_for_port
+from tests.mcp.conftest import ROOT, McpStack, _stop, bearer_transport, wait_for_port
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 

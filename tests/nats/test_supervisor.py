@@ -20,10 +20,10 @@ from ledger.nats import (
     NatsServerStartError,
     connect_as,
     find_nats_server,
-    free_port,
     generate_credentials,
 )
 from ledger.nats import supervisor as supervisor_module
+from tests.ports import free_port
 
 pytestmark = pytest.mark.nats
 

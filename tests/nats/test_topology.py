@@ -12,7 +12,7 @@ import nats.errors
 import pytest
 from nats.js.api import RetentionPolicy
 
-from ledger.nats import ClusterOptions, NatsServer, TopologyError, declare_topology, free_port
+from ledger.nats import ClusterOptions, NatsServer, TopologyError, declare_topology
 from schemas import (
     FEED_AUDITOR_CONSUMER,
     FEED_STREAM,
@@ -23,6 +23,7 @@ from schemas import (
     work_consumer,
 )
 from tests.nats.conftest import TOOLS
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 

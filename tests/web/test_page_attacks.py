@@ -25,10 +25,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from ledger import StorageConfig
-from ledger.nats import free_port
 from ledger.web import SESSION_COOKIE, TokenSettings, TokenVerifier, WebOptions, build_web_app
 from schemas import ErrorCategory, ErrorInfo, PreviewReport
 from tests.ledger.helpers import ALICE, email, make_ledger, previewed
+from tests.ports import free_port
 
 ISSUER, AUDIENCE = "https://idp.test", "opledger-approvals"
 OP = "op-mail"
