@@ -46,6 +46,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import random
+import time
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
@@ -58,7 +60,6 @@ from eventsourcing.persistence import (
 )
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteCursor, SQLiteDatastore
-from eventsourcing.utils import retry
 from psycopg import Cursor
 from psycopg.errors import DuplicateObject, UndefinedFunction
 from psycopg.rows import DictRow
@@ -76,6 +77,11 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+_APPEND_ATTEMPTS = 10
+"""Tries of one append before its failure is raised (the library's recorder makes 10)."""
+_RETRY_WAIT_S = 0.2
+"""The pause between two tries (the library's, give or take a tenth)."""
 
 KeptResultRow = tuple[str, str, str]
 """(result reference, operation ID, exact envelope text): a row of `opledger_results`."""
@@ -239,9 +245,71 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         )
         return ids
 
-    # The library's retry, for the same failures (a dropped connection, a lock timeout).
-    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def _append_in_one_statement(
+        self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow]
+    ) -> list[int]:
+        """The append, tried again as the library's recorder does after a dropped
+        connection or a lock timeout (`_APPEND_ATTEMPTS`, about `_RETRY_WAIT_S` apart).
+
+        A dropped connection leaves an append's fate unknown: the server may have
+        committed it and lost only the answer. Tried again blindly, such an append
+        fails on its own events (`IntegrityError`, taken for a race lost to another
+        writer), and nobody in this process hears that it was stored: the budget did
+        not count the call, the cache was dropped, a lease the executor was owed was
+        answered "busy". So after any failure the events are looked for first: every
+        one of them stored with exactly the state sent is this append, stored once,
+        and its positions are the answer. Anything else (none stored, or another
+        writer's state) and the append runs again, as before.
+        """
+        interrupted = False
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if interrupted:
+                    stored = self._stored_as_sent(stored_events)
+                    if stored is not None:
+                        _log.info("an append whose answer was lost had been stored: kept")
+                        return stored
+                return self._append_once(stored_events, results)
+            except (InterfaceError, OperationalError):
+                if attempt >= _APPEND_ATTEMPTS:
+                    raise
+                interrupted = True
+                time.sleep(_RETRY_WAIT_S * (1 + 0.1 * (random.random() - 0.5)))
+
+    def _stored_as_sent(self, stored_events: Sequence[StoredEvent]) -> list[int] | None:
+        """The positions of these events if every one is stored with the state sent,
+        in their order; else None."""
+        if not stored_events:
+            return None  # texts alone: their insert is idempotent, so it runs again
+        ids, versions, _, states = _event_columns(stored_events)
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(self._select_sent, (ids, versions))
+            found = {
+                (str(row["originator_id"]), int(row["originator_version"])): row
+                for row in curs.fetchall()
+            }
+        positions: list[int] = []
+        for key, state in zip(zip(ids, versions, strict=True), states, strict=True):
+            row = found.get(key)
+            if row is None or bytes(row["state"]) != state:
+                return None
+            positions.append(int(row["notification_id"]))
+        return positions
+
+    @cached_property
+    def _select_sent(self) -> Composed:
+        return SQL(
+            "SELECT notification_id, originator_id, originator_version, state"
+            " FROM {schema}.{table}"
+            " WHERE (originator_id, originator_version) IN"
+            " (SELECT * FROM unnest(%b::text[], %b::int8[]))"
+        ).format(
+            schema=Identifier(self.datastore.schema), table=Identifier(self.events_table_name)
+        )
+
+    def _append_once(
         self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow]
     ) -> list[int]:
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
