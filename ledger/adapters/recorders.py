@@ -46,13 +46,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import random
-import time
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
 from eventsourcing.persistence import (
+    IntegrityError,
     InterfaceError,
     OperationalError,
     ProgrammingError,
@@ -60,6 +59,7 @@ from eventsourcing.persistence import (
 )
 from eventsourcing.postgres import PostgresApplicationRecorder, PostgresDatastore
 from eventsourcing.sqlite import SQLiteApplicationRecorder, SQLiteCursor, SQLiteDatastore
+from eventsourcing.utils import retry
 from psycopg import Cursor
 from psycopg.errors import DuplicateObject, UndefinedFunction
 from psycopg.rows import DictRow
@@ -77,11 +77,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-_APPEND_ATTEMPTS = 10
-"""Tries of one append before its failure is raised (the library's recorder makes 10)."""
-_RETRY_WAIT_S = 0.2
-"""The pause between two tries (the library's, give or take a tenth)."""
 
 KeptResultRow = tuple[str, str, str]
 """(result reference, operation ID, exact envelope text): a row of `opledger_results`."""
@@ -224,9 +219,39 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         Where the function was never created (a schema made by an earlier release
         and served with the library's `CREATE_TABLE` off), the library's own
         statements do the same work, more slowly, and a warning says so once.
+
+        An append whose answer was lost (a connection cut after the commit) fails
+        when it is tried again, on its own events. So an `IntegrityError` is looked
+        into before it is raised: if every event is stored with exactly the state
+        sent, this append is what stored them, and their positions are the answer.
+        Without this, nobody in the process heard that the append was stored: the
+        budget did not count the call, and the executor granted a lease was answered
+        "busy" by its own lease. A cut append may also still be running (waiting
+        for the table's lock: a server notices a client gone only when it answers)
+        and commit after the try that follows it began; that try then waits for it
+        and fails on its events, and is looked into the same way. A state holds the
+        ledger clock's reading to the microsecond and the hash chain's link, so
+        another writer's events are never the same bytes.
         """
         if not stored_events and not results:
             return []
+        try:
+            return self._insert(stored_events, results, **kwargs)
+        except IntegrityError:
+            # Tried again after a cut (here, or inside the library's own retry on the
+            # fallback below), or the cut try was still waiting for the table's lock
+            # when it was looked for and committed since: a unique check waits for the
+            # conflicting row's commit, so the lookup now has its answer.
+            stored = self._stored_as_sent(stored_events)
+            if stored is None:
+                raise
+            _log.info("an append whose answer was lost had been stored: kept")
+            return stored
+
+    def _insert(
+        self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow],
+        **kwargs: Any,
+    ) -> Sequence[int] | None:
         if not self._function_missing:
             try:
                 appended: list[int] = self._append_in_one_statement(stored_events, results)
@@ -245,44 +270,31 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         )
         return ids
 
+    # The library's retry, for the same failures (a dropped connection, a lock timeout);
+    # an append it tries again after its answer was lost is `insert_events`' to settle.
+    @retry((InterfaceError, OperationalError), max_attempts=10, wait=0.2)
     def _append_in_one_statement(
         self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow]
     ) -> list[int]:
-        """The append, tried again as the library's recorder does after a dropped
-        connection or a lock timeout (`_APPEND_ATTEMPTS`, about `_RETRY_WAIT_S` apart).
-
-        A dropped connection leaves an append's fate unknown: the server may have
-        committed it and lost only the answer. Tried again blindly, such an append
-        fails on its own events (`IntegrityError`, taken for a race lost to another
-        writer), and nobody in this process hears that it was stored: the budget did
-        not count the call, the cache was dropped, a lease the executor was owed was
-        answered "busy". So after any failure the events are looked for first: every
-        one of them stored with exactly the state sent is this append, stored once,
-        and its positions are the answer. Anything else (none stored, or another
-        writer's state) and the append runs again, as before.
-        """
-        interrupted = False
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                if interrupted:
-                    stored = self._stored_as_sent(stored_events)
-                    if stored is not None:
-                        _log.info("an append whose answer was lost had been stored: kept")
-                        return stored
-                return self._append_once(stored_events, results)
-            except (InterfaceError, OperationalError):
-                if attempt >= _APPEND_ATTEMPTS:
-                    raise
-                interrupted = True
-                time.sleep(_RETRY_WAIT_S * (1 + 0.1 * (random.random() - 0.5)))
+        with self.datastore.get_connection() as conn, conn.cursor() as curs:
+            curs.execute(
+                self._append,
+                (
+                    *_event_columns(stored_events),
+                    [row[0] for row in results],
+                    [row[1] for row in results],
+                    [row[2] for row in results],
+                    self._notice_payloads(stored_events),
+                ),
+                prepare=True,
+            )
+            return [int(row["notification_id"]) for row in curs.fetchall()]
 
     def _stored_as_sent(self, stored_events: Sequence[StoredEvent]) -> list[int] | None:
         """The positions of these events if every one is stored with the state sent,
         in their order; else None."""
         if not stored_events:
-            return None  # texts alone: their insert is idempotent, so it runs again
+            return None  # texts alone never conflict (ON CONFLICT DO NOTHING)
         ids, versions, _, states = _event_columns(stored_events)
         with self.datastore.get_connection() as conn, conn.cursor() as curs:
             curs.execute(self._select_sent, (ids, versions))
@@ -308,23 +320,6 @@ class ArrayInsertRecorder(PostgresApplicationRecorder):
         ).format(
             schema=Identifier(self.datastore.schema), table=Identifier(self.events_table_name)
         )
-
-    def _append_once(
-        self, stored_events: Sequence[StoredEvent], results: Sequence[KeptResultRow]
-    ) -> list[int]:
-        with self.datastore.get_connection() as conn, conn.cursor() as curs:
-            curs.execute(
-                self._append,
-                (
-                    *_event_columns(stored_events),
-                    [row[0] for row in results],
-                    [row[1] for row in results],
-                    [row[2] for row in results],
-                    self._notice_payloads(stored_events),
-                ),
-                prepare=True,
-            )
-            return [int(row["notification_id"]) for row in curs.fetchall()]
 
     def _insert_stored_events(
         self,

@@ -1,9 +1,14 @@
 """A TCP proxy to PostgreSQL that loses the server's reply to one statement.
 
-The statement reaches the server and runs to its end (in autocommit, that is its
-commit: the proxy waits for the server's ReadyForQuery), then the client's
-connection is cut before it reads a byte of the answer. This is the failure a
-network or a server restart makes at the worst moment: stored, and not told.
+The statement reaches the server and its transaction runs to its end (in
+autocommit, the statement's own; in a transaction, the proxy passes the answers on
+until the client's COMMIT, and waits for the server to be idle again), then the
+client's connection is cut before it reads a byte of the last answer. This is the
+failure a network or a server restart makes at the worst moment: stored, and not told.
+
+With `at_once`, the connection is cut as soon as the statement is forwarded,
+whatever the server is doing with it: still waiting for a lock, it runs on and
+may commit after the client has looked and tried again.
 """
 
 from __future__ import annotations
@@ -12,13 +17,13 @@ import contextlib
 import select
 import socket
 import threading
-from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["LostReplyProxy"]
 
 _READY_FOR_QUERY = b"Z\x00\x00\x00\x05"
-"""The server's ReadyForQuery message, up to its transaction status byte."""
+"""The server's ReadyForQuery message, up to its transaction status byte: `I` idle
+(the transaction is over), `T` in a transaction, `E` in a failed one."""
 
 
 class LostReplyProxy:
@@ -34,17 +39,19 @@ class LostReplyProxy:
         """The DSN to give the client: the same database, through this proxy."""
         self._lock = threading.Lock()
         self._markers: tuple[bytes, ...] | None = None
+        self._at_once = False
         self.lost = threading.Event()
         """Set once a reply was lost: the statement had run to its end on the server."""
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def lose_reply_to(self, *markers: str) -> None:
+    def lose_reply_to(self, *markers: str, at_once: bool = False) -> None:
         """Lose the reply to the next statement whose bytes hold every one of `markers`
         (an append holds its operations' IDs and its events' topics: a read before it
-        holds the IDs alone)."""
+        holds the IDs alone); `at_once`: cut without waiting for the server's answer."""
         with self._lock:
             self._markers = tuple(marker.encode() for marker in markers)
+            self._at_once = at_once
         self.lost.clear()
 
     def close(self) -> None:
@@ -70,37 +77,37 @@ class LostReplyProxy:
         return False
 
     def _pipe(self, client: socket.socket, server: socket.socket) -> None:
+        losing = False  # the marked statement went out: the server's answer is held back
+        held = b""
         with client, server:
-            for source, data in _chunks(client, server):
-                if source is client:
-                    server.sendall(data)
-                    if self._take_marker(data):
-                        self._swallow_reply(server)
-                        return  # both ends close: the client never hears the answer
-                else:
-                    client.sendall(data)
-
-    def _swallow_reply(self, server: socket.socket) -> None:
-        seen = b""
-        while _READY_FOR_QUERY not in seen:
-            data = server.recv(65536)
-            if not data:
-                return
-            seen = seen[-16:] + data
-        self.lost.set()
-
-
-def _chunks(
-    client: socket.socket, server: socket.socket
-) -> Iterator[tuple[socket.socket, bytes]]:
-    """What either end sends, as it comes, until one of them closes."""
-    while True:
-        readable, _, _ = select.select([client, server], [], [])
-        for source in readable:
-            try:
-                data = source.recv(65536)
-            except OSError:
-                return
-            if not data:
-                return
-            yield source, data
+            while True:
+                # Waiting for a lost answer, not forever: a test then fails, not hangs.
+                readable, _, _ = select.select([client, server], [], [], 30 if losing else None)
+                if not readable:
+                    return
+                for source in readable:
+                    try:
+                        data = source.recv(65536)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    if source is client:
+                        server.sendall(data)  # all of it, a long statement's later chunks too
+                        if not losing and self._take_marker(data):
+                            if self._at_once:
+                                self.lost.set()
+                                return  # both ends close now, the statement on its way
+                            losing = True
+                    elif losing:
+                        held += data
+                        if _READY_FOR_QUERY + b"I" in held:  # the transaction is over
+                            self.lost.set()
+                            return
+                        # Within a transaction: its answers go on, up to its COMMIT.
+                        end = max(held.rfind(_READY_FOR_QUERY + s) for s in (b"T", b"E"))
+                        if end >= 0:
+                            client.sendall(held[: end + len(_READY_FOR_QUERY) + 1])
+                            held = held[end + len(_READY_FOR_QUERY) + 1 :]
+                    else:
+                        client.sendall(data)

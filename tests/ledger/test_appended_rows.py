@@ -114,14 +114,15 @@ def test_positions_a_failed_append_used_up_are_no_hole_in_what_is_taken(
     storage: StorageConfig,
 ) -> None:
     # A lost race (a duplicate version) is refused after PostgreSQL's sequence gave
-    # out its positions: the next append's rows do not follow the last ones.
+    # out its positions: the next append's rows do not follow the last ones. (Another
+    # writer's event: the same bytes would be this append's own, stored already.)
     ledger = make_ledger(storage)
     appended = _listening(ledger)
     _submit(ledger, "op-1")
     recorder = ledger.runner.events.events.recorder
     stored = _table(ledger)[0]
     with pytest.raises(IntegrityError):
-        recorder.insert_events([StoredEvent(stored[1], stored[2], stored[3], stored[4])])
+        recorder.insert_events([StoredEvent(stored[1], stored[2], stored[3], b"another")])
     _submit(ledger, "op-2")
 
     assert _follow(appended, 0) == _table(ledger)

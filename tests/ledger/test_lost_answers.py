@@ -11,17 +11,22 @@ a real proxy (`tests.ledger.lost_reply`) to the real server.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TypeVar
 
+import psycopg
 import pytest
 from eventsourcing.persistence import StoredEvent
 
-from ledger import Ledger, OperationState, StorageConfig
+from ledger import Ledger, OperationState, StorageConfig, Submission
 from ledger.adapters.recorders import ArrayInsertRecorder
 from ledger.domain.states import ResultDisposition
-from schemas import LeaseDecision
+from schemas import LeaseDecision, LeaseReply
 from tests.ledger.helpers import (
     ALICE,
     NO_HITS,
@@ -34,6 +39,7 @@ from tests.ledger.helpers import (
 from tests.ledger.lost_reply import LostReplyProxy
 
 S = OperationState
+T = TypeVar("T")
 
 
 @dataclass
@@ -111,6 +117,99 @@ def test_a_result_whose_append_answer_was_lost_is_accepted_once(through: _Throug
     assert len(event_types(ledger, "op-1")) == 5
 
 
+@contextlib.contextmanager
+def _events_table_locked(storage: StorageConfig) -> Iterator[None]:
+    """Another writer's transaction holds the events table's lock (as an append does)."""
+    with psycopg.connect(storage.postgres_dsn or "") as conn:
+        conn.execute(
+            f'LOCK TABLE "{storage.postgres_schema}".opledger_events IN EXCLUSIVE MODE'
+        )
+        yield
+
+
+def _in_thread(call: Callable[[], T]) -> Callable[[], T]:
+    """Run `call` on a thread now; the returned function waits for its answer."""
+    answers: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            answers.append(call())
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+
+    def answer() -> T:
+        thread.join(60)
+        assert not thread.is_alive(), "no answer within a minute"
+        if errors:
+            raise errors[0]
+        return answers[0]
+
+    return answer
+
+
+@pytest.mark.parametrize("event", ["Proposed", "LeaseClaimed"])
+def test_an_append_cut_while_it_waits_for_the_lock_and_committed_later_is_kept(
+    through: _Through, postgres_storage: StorageConfig, event: str
+) -> None:
+    """Cut while another writer holds the table's lock, the append is not dead: the
+    server runs it once the lock is free, after this ledger looked for it and found
+    nothing. The append tried again then waits behind it and fails on its events, and
+    is looked into once more."""
+    ledger = through.ledger
+    assert ledger.budget is not None
+    ledger.budget.view_kept_current()
+    assert ledger.submit(search("op-first"), ALICE).state is S.READY
+    operation_id = "op-lost" if event == "Proposed" else "op-first"
+    through.proxy.lose_reply_to(operation_id, f"Operation.{event}", at_once=True)
+    with _events_table_locked(postgres_storage):
+        if event == "Proposed":
+            answer: Callable[[], object] = _in_thread(
+                lambda: ledger.submit(search("op-lost"), ALICE)
+            )
+        else:
+            answer = _in_thread(lambda: ledger.lease("op-first", executor="exec-1"))
+        assert through.proxy.lost.wait(10), "the append was never sent"
+        time.sleep(0.5)  # the lookup finds nothing; the next try queues for the lock
+    if event == "Proposed":
+        submission = answer()
+        assert isinstance(submission, Submission) and submission.state is S.READY
+        assert event_types(ledger, "op-lost") == ["Proposed", "Validated", "Readied"]
+        assert ledger.submit(search("op-third"), ALICE).state is S.REJECTED
+    else:
+        grant = answer()
+        assert isinstance(grant, LeaseReply) and grant.decision is LeaseDecision.EXECUTE, grant
+        assert event_types(ledger, "op-first").count("LeaseClaimed") == 1
+
+
+def test_without_the_append_function_a_lost_commit_answer_is_kept_too(
+    through: _Through, postgres_storage: StorageConfig
+) -> None:
+    """A schema served without the append function (made by an earlier release) appends
+    with the library's statements in a transaction, and the library tries again on its
+    own after a cut: the `IntegrityError` that follows is looked into the same way."""
+    ledger = through.ledger
+    with psycopg.connect(postgres_storage.postgres_dsn or "", autocommit=True) as conn:
+        schema = postgres_storage.postgres_schema
+        for (name,) in conn.execute(
+            "SELECT proname FROM pg_proc JOIN pg_namespace n ON n.oid = pronamespace"
+            " WHERE nspname = %s AND proname LIKE 'opledger_append_%%'",
+            (schema,),
+        ).fetchall():
+            conn.execute(f'DROP FUNCTION "{schema}"."{name}"')
+    ledger.submit(search("op-1"), ALICE)
+    recorder = ledger.runner.events.events.recorder
+    assert isinstance(recorder, ArrayInsertRecorder) and recorder._function_missing
+    _lose(through, "op-1", "LeaseClaimed")
+    grant = ledger.lease("op-1", executor="exec-1")
+    _assert_lost(through)
+    assert grant.decision is LeaseDecision.EXECUTE, grant
+    assert event_types(ledger, "op-1").count("LeaseClaimed") == 1
+
+
 def test_only_the_exact_events_sent_count_as_stored(postgres_storage: StorageConfig) -> None:
     """After a cut connection, events found stored are this append only if every one is
     there with the state sent: another writer's events at the same versions are a race
@@ -136,6 +235,6 @@ def test_only_the_exact_events_sent_count_as_stored(postgres_storage: StorageCon
         longer = [*sent, StoredEvent(originator_id="op-x", originator_version=3, topic="t:E",
                                      state=b"3")]
         assert recorder._stored_as_sent(longer) is None
-        assert recorder._stored_as_sent([]) is None  # texts alone: inserted again
+        assert recorder._stored_as_sent([]) is None  # texts alone: no events to find
     finally:
         ledger.close()
