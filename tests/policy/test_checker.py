@@ -89,7 +89,8 @@ def test_json_syntax_error_is_structured_feedback() -> None:
     assert decision.outcome is DecisionOutcome.REJECTED
     (issue,) = decision.issues
     assert (issue.stage, issue.code, issue.repairable) == (CheckStage.PARSE, "json_syntax", True)
-    assert "line 1" in issue.message
+    # Where to look, for the model that repairs it: the line and the column.
+    assert "line 1 column 20" in issue.message
     assert decision.repairable
 
 
@@ -184,6 +185,16 @@ def test_repair_counter_is_bounded_by_the_contract() -> None:
     assert last.repair is not None and last.repair.exhausted
     assert last.repair.max_attempts == 2
     assert not last.repairable
+
+
+def test_the_repair_bound_is_two_attempts_unless_the_contract_says_otherwise() -> None:
+    checker = _checker(make_contract())  # no max_repair_attempts: the default
+    first = checker.check(_proposal({"top_k": 3}, repair_attempt=1), CONTEXT)
+    assert first.repair is not None and not first.repair.exhausted
+    second = checker.check(_proposal({"top_k": 3}, repair_attempt=2), CONTEXT)
+    assert second.repair is not None and second.repair.exhausted
+    assert second.repair.max_attempts == 2
+    assert not second.repairable
 
 
 def test_missing_capability_is_unauthorized_and_not_repairable() -> None:
@@ -311,7 +322,7 @@ def test_budget_limits_per_actor_and_tool() -> None:
     assert checker.check(_proposal({"query": "ok"}), bob).outcome is DecisionOutcome.READY
 
 
-def _snapshot_contract() -> ToolContract:
+def _snapshot_contract(capabilities: tuple[str, ...] = ()) -> ToolContract:
     schema = {
         "type": "object",
         "additionalProperties": False,
@@ -326,7 +337,7 @@ def _snapshot_contract() -> ToolContract:
         contract_document(
             name="compare_document_snapshots",
             input_schema=schema,
-            required_capabilities=[],
+            required_capabilities=list(capabilities),
             targets=[
                 {"argument": "/source_id", "kind": "document"},
                 {
@@ -407,6 +418,83 @@ def test_target_in_another_tenant_looks_exactly_like_a_missing_one() -> None:
     # tenant", would differ), and nothing of the other tenant anywhere.
     assert other_tenant == missing
     assert not any("globex" in issue for issue in other_tenant)
+
+
+class _Asked:
+    """A resolver that notes every lookup before answering as `WORLD` does (a fake: what
+    is tested is whether the check asks at all)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+
+    def resolve(self, kind: str, target_id: str, context: RuntimeContext) -> Any:
+        self.asked.append((kind, target_id))
+        return WORLD.resolve(kind, target_id, context)
+
+
+def test_an_unauthorized_caller_cannot_probe_which_targets_exist() -> None:
+    """Authorization runs before the targets are looked up: a caller without the
+    capability gets the same answer for a document that exists, one that does not and
+    one of another tenant, and nothing is looked up for it."""
+    resolver = _Asked()
+    checker = _checker(_snapshot_contract(("documents:compare",)), resolver=resolver)
+
+    def attempt(source: str, context: RuntimeContext) -> list[str]:
+        arguments = {
+            "source_id": source,
+            "before_snapshot_id": "snap-a-7",
+            "after_snapshot_id": "snap-a-8",
+        }
+        decision = checker.check(
+            _proposal(arguments, tool_name="compare_document_snapshots"), context
+        )
+        return [issue.model_dump_json().replace(source, "<id>") for issue in decision.issues]
+
+    unauthorized = CONTEXT
+    answers = [attempt(s, unauthorized) for s in ("document-a", "document-nope", "document-z")]
+    assert answers[0] == answers[1] == answers[2]
+    assert [ValidationIssue.model_validate_json(i).code for i in answers[0]] == [
+        "CAPABILITY_DENIED"
+    ]
+    assert resolver.asked == []
+    # With the capability, the same three are told apart: the probe would work.
+    allowed = RuntimeContext(
+        principal="alice", tenant="acme", capabilities=frozenset({"documents:compare"})
+    )
+    assert attempt("document-a", allowed) == []
+    assert attempt("document-nope", allowed) != []
+    assert resolver.asked
+
+
+def test_draft_2020_12_keywords_are_enforced() -> None:
+    """The structure stage validates with Draft 2020-12: `prefixItems`, `$defs` and
+    `unevaluatedProperties` (which earlier drafts ignore, letting these calls pass)."""
+    schema = {
+        "type": "object",
+        "$defs": {"positive": {"type": "integer", "minimum": 1}},
+        "properties": {
+            "pair": {
+                "type": "array",
+                "prefixItems": [{"type": "string"}, {"$ref": "#/$defs/positive"}],
+                "items": False,
+            },
+        },
+        "allOf": [{"properties": {"note": {"type": "string"}}}],
+        "unevaluatedProperties": False,
+        "required": ["pair"],
+    }
+    checker = _checker(
+        make_contract(name="pairs", input_schema=schema, required_capabilities=[])
+    )
+
+    def check(arguments: dict[str, Any]) -> list[tuple[str, str]]:
+        return _codes(checker.check(_proposal(arguments, tool_name="pairs"), CONTEXT))
+
+    assert check({"pair": ["a", 2], "note": "evaluated by allOf"}) == []
+    assert check({"pair": [1, 2]}) == [("wrong_type", "/pair/0")]  # prefixItems
+    assert check({"pair": ["a", 0]}) == [("range", "/pair/1")]  # $defs through $ref
+    assert check({"pair": ["a", 2, "extra"]}) == [("invalid", "/pair")]  # items after them
+    assert check({"pair": ["a", 2], "other": 1}) == [("extra", "/other")]  # unevaluated
 
 
 def test_semantic_rules_run_after_targets_resolve() -> None:
