@@ -21,7 +21,7 @@ from policy import InMemoryTargetResolver
 from policy.catalog import SAMPLE_RULES, sample_targets
 from schemas import PreviewReport, RuntimeContext, ToolProposal
 from tests.ledger.helpers import ALICE as HELPER_ALICE
-from tests.ledger.helpers import NEXT_STEP, email, make_ledger
+from tests.ledger.helpers import NEXT_STEP, NO_HITS, email, make_ledger, result, search
 
 ALICE = RuntimeContext(
     principal="alice",
@@ -236,6 +236,39 @@ def test_ops_show_prints_key_fields_and_the_timeline(
     assert timeline[5].endswith(
         f"previewed by send_customer_email-1, preview {ledger_ids['preview_hash'][:12]}"
     )
+
+
+def test_ops_show_prints_the_lease_and_the_result_in_the_timeline(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = make_ledger(StorageConfig.sqlite(home / "ledger.db"))
+    try:
+        ledger.submit(search("op-done"), HELPER_ALICE)
+        grant = ledger.lease("op-done", executor="search-exec-1")
+        ledger.record_result(result("op-done", grant.fencing_token, data=NO_HITS,
+                                    executor="search-exec-1"))
+        ledger.refresh()
+        outcome = ledger.get("op-done").outcome
+        assert outcome is not None and outcome.output_hash
+    finally:
+        ledger.close()
+
+    code, out, err = _run(capsys, "ops", "show", "op-done")
+
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+              for line in lines[1:lines.index("")]}
+    assert fields["state"] == "succeeded"
+    timeline = lines[lines.index("Timeline") + 1:]
+    assert [row.split()[:2] for row in timeline[1:]] == [
+        ["1", "Proposed"], ["2", "Validated"], ["3", "Readied"],
+        ["4", "LeaseClaimed"], ["5", "Succeeded"],
+    ]
+    assert timeline[4].split("  ")[-1].startswith(
+        f"leased to search-exec-1: attempt 1, token {grant.fencing_token}, until "
+    )
+    assert timeline[5].endswith(f"succeeded on attempt 1, output {outcome.output_hash[:12]}")
 
 
 def test_ops_show_as_of_replays_to_that_version(
