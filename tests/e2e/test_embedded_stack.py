@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -141,3 +143,67 @@ def test_demo_runs_every_step_as_stated(tmp_path: Path) -> None:
                  "forbidden delete", "killed executor", "audit verify"):
         assert step in table
     assert "✘" not in table
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process started under `pid`, at any depth, alive now."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    """`opledger up` in the foreground, `opledger demo` against it from another
+    terminal, then Ctrl-C (SIGINT) to `up`: every process it started is gone."""
+    home = tmp_path / "home"
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "ledger.entrypoints", "up", "--home", str(home)],
+            stdout=out, stderr=subprocess.STDOUT, text=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "Ctrl-C stops everything." not in log.read_text():
+            assert up.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        started = _descendants(up.pid)
+        info = running_stack(home.resolve())
+        assert info is not None
+        # nats-server, the ledger service and one executor per sample tool, at least.
+        assert set(info.pids.values()) <= started and len(started) >= 5, (info.pids, started)
+
+        demo = subprocess.run(
+            [sys.executable, "-m", "ledger.entrypoints", "demo", "--home", str(home)],
+            capture_output=True, text=True, timeout=280,
+        )
+        assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-2000:]
+        assert f"using the stack running from {home.resolve()}" in demo.stdout
+        assert "starting the embedded stack" not in demo.stdout
+        assert "all steps behaved as stated" in demo.stdout
+        assert up.poll() is None, "up stopped during the demo"
+        # Still the same stack: the demo paused an executor and let it go again.
+        assert set(info.pids.values()) <= _descendants(up.pid)
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert "stopping…" in log.read_text()
+    left = [pid for pid in started if _alive(pid)]
+    assert left == [], [_cmdline(pid) for pid in left]
+    assert running_stack(home.resolve()) is None
