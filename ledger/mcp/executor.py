@@ -242,6 +242,32 @@ def _category(
     return "UPSTREAM_TOOL_ERROR", ErrorCategory.INTERNAL
 
 
+_REFUSED_BEFORE_RUNNING = frozenset({
+    types.PARSE_ERROR,
+    types.INVALID_REQUEST,
+    types.METHOD_NOT_FOUND,
+    types.INVALID_PARAMS,
+    types.UNSUPPORTED_PROTOCOL_VERSION,
+    types.MISSING_REQUIRED_CLIENT_CAPABILITY,
+    types.HEADER_MISMATCH,
+    types.URL_ELICITATION_REQUIRED,
+})
+"""JSON-RPC and MCP errors a server answers before a tool runs: the call had no effect.
+Any other error (`REQUEST_TIMEOUT`, which the SDK raises itself when its read timeout
+passes, `CONNECTION_CLOSED`, `INTERNAL_ERROR`, a server's own codes) may come after the
+tool ran, so its outcome is unknown."""
+
+
+def _no_answer_reason(error: BaseException) -> str:
+    if isinstance(error, MCPError):
+        if error.code == types.REQUEST_TIMEOUT:
+            return "timed out"
+        if error.code == types.CONNECTION_CLOSED:
+            return "connection closed"
+        return f"error {error.code}"
+    return type(error).__name__
+
+
 def mcp_tool(
     name: str,
     upstream: McpUpstream,
@@ -278,21 +304,26 @@ def mcp_tool(
                 meta=meta,
             )
         except MCPError as error:
-            # A JSON-RPC error: the server refused the request itself; it did not run.
-            raise ToolError(
-                ErrorCategory.INTERNAL, "UPSTREAM_REFUSED",
-                f"the MCP server refused the call: {error.error.message[:_MESSAGE_MAX]}",
-                retryable=False,
-            ) from None
+            if error.code in _REFUSED_BEFORE_RUNNING:
+                # The server refused the request itself: the tool did not run.
+                raise ToolError(
+                    ErrorCategory.INTERNAL, "UPSTREAM_REFUSED",
+                    f"the MCP server refused the call: {error.message[:_MESSAGE_MAX]}",
+                    retryable=False,
+                ) from None
+            # The SDK's own timeout (`REQUEST_TIMEOUT`), a connection closed mid-call,
+            # or a server failure after it took the call: sent, and no answer.
+            no_answer: BaseException = error
         except (TimeoutError, anyio.ClosedResourceError, anyio.BrokenResourceError,
                 httpx2.HTTPError, OSError) as error:
-            await connection.drop()
-            # Sent, but no answer: it may have happened.
-            raise ToolError(
-                ErrorCategory.TRANSIENT, "UPSTREAM_NO_ANSWER",
-                f"the MCP server gave no answer ({type(error).__name__})",
-                outcome_unknown=True,
-            ) from None
+            no_answer = error
+        await connection.drop()
+        # Sent, but no answer: it may have happened.
+        raise ToolError(
+            ErrorCategory.TRANSIENT, "UPSTREAM_NO_ANSWER",
+            f"the MCP server gave no answer ({_no_answer_reason(no_answer)})",
+            outcome_unknown=True,
+        )
 
     async def run(arguments: Mapping[str, Any], context: ToolContext) -> Mapping[str, Any]:
         try:

@@ -6,6 +6,11 @@ Every side effect is one JSON line in the file `$SAMPLE_MCP_EFFECTS` (with the
 idempotency key the caller sent in `_meta`, if any), so a test counts what the
 server really did. `write_note` *claims* to be read-only (`readOnlyHint: true`):
 it is the server that lies, and its contract must hold anyway.
+
+`lookup_call` is the lookup an executor's `--lookup-tool` asks after a lost answer:
+by idempotency key, `applied` with what the call returned, `unknown` while a call
+with that key is still running (`append_log` notes its start in
+`$SAMPLE_MCP_EFFECTS.started`), `not_applied` only for a key never seen.
 """
 
 from __future__ import annotations
@@ -47,9 +52,12 @@ def _effects() -> Path:
     return Path(os.environ["SAMPLE_MCP_EFFECTS"])
 
 
-def _record(tool: str, arguments: dict[str, Any], ctx: Context) -> int:
+def _record(
+    tool: str, arguments: dict[str, Any], ctx: Context, result: dict[str, Any] | None = None
+) -> int:
     meta = ctx.request_context.meta or {}
-    line = {"tool": tool, "arguments": arguments, "key": meta.get("io.opledger/operationId")}
+    line = {"tool": tool, "arguments": arguments, "key": meta.get("io.opledger/operationId"),
+            "result": result}
     with _effects().open("a", encoding="utf-8") as file:
         file.write(json.dumps(line) + "\n")
     return len(effects())
@@ -81,11 +89,40 @@ def write_note(key: str, text: str, ctx: Context) -> Note:
     return {"key": key, "text": text}
 
 
+class Lookup(TypedDict):
+    """What became of a call, by its idempotency key."""
+
+    status: str
+    data: dict[str, Any]
+
+
+def _started() -> Path:
+    return _effects().with_name(_effects().name + ".started")
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def lookup_call(operation_id: str) -> Lookup:
+    """What became of the call sent with this idempotency key."""
+    for effect in reversed(effects()):
+        if effect["key"] == operation_id and effect["tool"] == "append_log":
+            return {"status": "applied", "data": effect["result"]}
+    started = _started()
+    if started.exists() and operation_id in started.read_text(encoding="utf-8").splitlines():
+        return {"status": "unknown", "data": {}}  # still running: it may yet take effect
+    return {"status": "not_applied", "data": {}}
+
+
 @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
 def append_log(line: str, delay_ms: int, ctx: Context) -> Appended:
     """Append a line to the log, after waiting delay_ms (a slow provider)."""
+    key = (ctx.request_context.meta or {}).get("io.opledger/operationId")
+    if key:
+        with _started().open("a", encoding="utf-8") as file:
+            file.write(f"{key}\n")
     time.sleep(delay_ms / 1000)
-    count = _record("append_log", {"line": line, "delay_ms": delay_ms}, ctx)
+    count = len(effects()) + 1
+    _record("append_log", {"line": line, "delay_ms": delay_ms}, ctx,
+            result={"line": line, "count": count})
     return {"line": line, "count": count}
 
 
