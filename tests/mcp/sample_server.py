@@ -132,15 +132,39 @@ def noop() -> Done:
     return {"ok": True}
 
 
+def _requiring_bearer(app: Any, token: str) -> Any:
+    """`app`, answering 401 to any HTTP request without `Authorization: Bearer <token>`."""
+    expected = f"Bearer {token}".encode()
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != expected:
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def main() -> None:
-    """Serve over stdio, or over Streamable HTTP with `--http PORT`."""
+    """Serve over stdio, or over Streamable HTTP with `--http PORT` (with `--token-env NAME`,
+    only to requests bearing the token in that environment variable)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, default=None)
+    parser.add_argument("--token-env", default=None)
     args = parser.parse_args()
     if args.http is None:
         server.run("stdio")
-    else:
+    elif args.token_env is None:
         server.run("streamable-http", host="127.0.0.1", port=args.http, stateless_http=True)
+    else:
+        import uvicorn
+
+        app = _requiring_bearer(
+            server.streamable_http_app(stateless_http=True), os.environ[args.token_env]
+        )
+        uvicorn.run(app, host="127.0.0.1", port=args.http, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,30 @@
-"""`opledger executor mcp --lookup-tool`: what an MCP server's lookup says of a call
-whose answer was lost, mapped to the executor's reconciliation. A real sample server
-over Streamable HTTP, which runs on after the executor stops waiting for it; the
-lookup answers by idempotency key, `unknown` while the call still runs."""
+"""`opledger executor mcp` against a real sample server over Streamable HTTP.
+
+`--lookup-tool`: what the server's lookup says of a call whose answer was lost,
+mapped to the executor's reconciliation; the server runs on after the executor
+stops waiting for it, and the lookup answers by idempotency key, `unknown` while
+the call still runs. `--bearer-secret`: the upstream's token, from the executor's
+own secrets, and nowhere else."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolError
+from ledger.mcp import McpConfigError
 from ledger.mcp.executor import McpUpstream, mcp_tool
 from tests.mcp.conftest import ROOT, _stop, wait_for_port
 from tests.ports import free_port
@@ -104,3 +111,50 @@ async def test_without_a_lookup_or_with_one_that_fails_a_person_decides(
         tool = mcp_tool("append_log", McpUpstream(url=url), lookup_tool=lookup)
         answer = await _reconcile(tool, "op-x")
         assert answer.status is ReconcileStatus.UNKNOWN, lookup
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    """A sample server that answers only requests bearing its token: URL, token, log."""
+    home = tmp_path_factory.mktemp("bearer")
+    log, port, token = home / "server.log", free_port(), secrets.token_urlsafe(24)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port),
+         "--token-env", "SAMPLE_TOKEN"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_TOKEN": token,
+             "SAMPLE_MCP_EFFECTS": str(home / "effects.jsonl")},
+    )
+    try:
+        wait_for_port(port, server, log)
+        yield f"http://127.0.0.1:{port}/mcp", token, log
+    finally:
+        _stop(server)
+
+
+async def _call_noop(tool: Tool, secret: dict[str, str]) -> Any:
+    context = dataclasses.replace(_context("op-bearer", 5), secrets=secret)
+    ran = tool.run({}, context)
+    assert inspect.isawaitable(ran)
+    return await ran
+
+
+async def test_an_http_upstream_gets_the_bearer_token_from_the_executors_secrets(
+    guarded: tuple[str, str, Path],
+) -> None:
+    url, token, _ = guarded
+    upstream = McpUpstream(url=url, bearer_secret="NOTES_TOKEN")
+    # The token is the executor's secret, by its name (case-insensitive).
+    assert await _call_noop(mcp_tool("noop", upstream), {"notes_token": token}) == {"ok": True}
+    # Another token: the server turns the session away before any call is sent.
+    with pytest.raises(ToolError) as refused:
+        await _call_noop(mcp_tool("noop", upstream), {"notes_token": "not-" + token})
+    assert refused.value.code == "UPSTREAM_UNAVAILABLE" and refused.value.retryable
+    assert not refused.value.outcome_unknown
+    assert token not in str(refused.value) and token not in upstream.describe()
+    # No secret of that name: a configuration error naming the secret, not its value.
+    with pytest.raises(McpConfigError, match="notes_token"):
+        await _call_noop(mcp_tool("noop", upstream), {})
+    # A token in the URL is refused outright: command lines and logs show URLs.
+    with pytest.raises(McpConfigError, match="credentials"):
+        McpUpstream(url=url.replace("http://", f"http://x:{token}@"))
