@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +100,19 @@ class BackendStack:
     service: subprocess.Popen[bytes]
     contracts: Path
     executors: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    service_argv: list[str] = field(default_factory=list)
+
+    def restart_service(self, meanwhile: Callable[[], object] | None = None) -> None:
+        """Stop the ledger service and start it again as it was started (running
+        `meanwhile` while it is down)."""
+        _stop(self.service)
+        if meanwhile is not None:
+            meanwhile()
+        self.service = subprocess.Popen(
+            self.service_argv,
+            stdout=(self.home / "service.log").open("ab"), stderr=subprocess.STDOUT,
+        )
+        _wait_for_service(self)
 
     def log(self, name: str) -> str:
         """A process log, for failure messages."""
@@ -166,13 +179,14 @@ def backend_stack(
     roles = [f"--approver={name}={','.join(held)}" for name, held in approvers.items() if held]
     server = NatsServer(home / "nats", authorization=credentials.authorization_config)
     server.start()
+    argv = [sys.executable, "-m", "ledger.server", *database, "--nats-url", server.url,
+            "--creds", str(credentials.ledger.seed_path), "--tools", ",".join(tools),
+            "--contracts", str(contracts), *roles, *service_options]
     service = subprocess.Popen(
-        [sys.executable, "-m", "ledger.server", *database, "--nats-url", server.url,
-         "--creds", str(credentials.ledger.seed_path), "--tools", ",".join(tools),
-         "--contracts", str(contracts), *roles, *service_options],
-        stdout=(home / "service.log").open("wb"), stderr=subprocess.STDOUT,
+        argv, stdout=(home / "service.log").open("wb"), stderr=subprocess.STDOUT
     )
-    stack = BackendStack(home, storage, server, credentials, service, contracts)
+    stack = BackendStack(home, storage, server, credentials, service, contracts,
+                         service_argv=argv)
     try:
         _wait_for_service(stack)
         yield stack
