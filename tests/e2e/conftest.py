@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -146,6 +147,17 @@ class BackendStack:
         )
         self.executors.append(process)
         return process
+
+
+def opledger_command() -> list[str]:
+    """The `opledger` command the package installed beside this Python, as a reader runs
+    it (`.ci/run` installs the package, not a checkout: this is the console script)."""
+    script = Path(sys.executable).parent / "opledger"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("opledger")
+    assert found is not None, "the package's `opledger` command is not installed"
+    return [found]
 
 
 @contextmanager

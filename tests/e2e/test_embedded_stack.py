@@ -19,6 +19,7 @@ from ledger.client import AgentHostClient
 from ledger.embedded import DEMO_HOST, EmbeddedStack, require_running_stack, running_stack
 from ledger.nats import connect_as, load_credentials
 from schemas import RuntimeContext, ToolProposal
+from tests.e2e.conftest import opledger_command
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -165,12 +166,13 @@ def _descendants(pid: int) -> set[int]:
 
 def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
     """`opledger up` in the foreground, `opledger demo` against it from another
-    terminal, then Ctrl-C (SIGINT) to `up`: every process it started is gone."""
+    terminal, then Ctrl-C (SIGINT) to `up`: every process it started is gone. Both
+    through the `opledger` command the package installs."""
     home = tmp_path / "home"
     log = tmp_path / "up.log"
     with log.open("w") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "ledger.entrypoints", "up", "--home", str(home)],
+            [*opledger_command(), "up", "--home", str(home)],
             stdout=out, stderr=subprocess.STDOUT, text=True,
         )
     try:
@@ -186,7 +188,7 @@ def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert set(info.pids.values()) <= started and len(started) >= 5, (info.pids, started)
 
         demo = subprocess.run(
-            [sys.executable, "-m", "ledger.entrypoints", "demo", "--home", str(home)],
+            [*opledger_command(), "demo", "--home", str(home)],
             capture_output=True, text=True, timeout=280,
         )
         assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-2000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.conftest import opledger_command
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(400)]
 
@@ -38,20 +39,10 @@ def _commands(block: str) -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
 
-def _opledger() -> list[str]:
-    """The `opledger` the package installed beside this Python, as a reader runs it."""
-    script = Path(sys.executable).parent / "opledger"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("opledger")
-    assert found is not None, "the package's `opledger` command is not installed"
-    return [found]
-
-
 def _run(argv: list[str], cwd: Path) -> str:
     assert argv[0] == "opledger", argv
     done = subprocess.run(
-        [*_opledger(), *argv[1:]], cwd=cwd, capture_output=True, text=True, timeout=120
+        [*opledger_command(), *argv[1:]], cwd=cwd, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-2000:])
     return done.stdout
@@ -75,7 +66,7 @@ def test_the_five_minute_tour_runs_as_written(tmp_path: Path) -> None:
     log = tmp_path / "up.log"
     with log.open("w") as out:
         up = subprocess.Popen(
-            [*_opledger(), *up_argv[1:]], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
+            [*opledger_command(), *up_argv[1:]], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
         )
     host: subprocess.Popen[str] | None = None
     try:
