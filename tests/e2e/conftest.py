@@ -205,7 +205,7 @@ def backend_stack(
     finally:
         for process in reversed(stack.executors):
             _stop(process)
-        _stop(service)
+        _stop(stack.service)  # the one running now (`restart_service` replaces it)
         server.stop()
         if storage.is_postgres:
             drop_schema(storage)
@@ -275,5 +275,5 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         for processes in running.executors.values():
             for process in processes:
                 _stop(process)
-        _stop(service)
+        _stop(running.service)  # the one running now (a test may have replaced it)
         server.stop()
