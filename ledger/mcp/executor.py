@@ -243,19 +243,21 @@ def _category(
 
 
 _REFUSED_BEFORE_RUNNING = frozenset({
-    types.PARSE_ERROR,
-    types.INVALID_REQUEST,
     types.METHOD_NOT_FOUND,
-    types.INVALID_PARAMS,
     types.UNSUPPORTED_PROTOCOL_VERSION,
-    types.MISSING_REQUIRED_CLIENT_CAPABILITY,
     types.HEADER_MISMATCH,
-    types.URL_ELICITATION_REQUIRED,
 })
-"""JSON-RPC and MCP errors a server answers before a tool runs: the call had no effect.
-Any other error (`REQUEST_TIMEOUT`, which the SDK raises itself when its read timeout
-passes, `CONNECTION_CLOSED`, `INTERNAL_ERROR`, a server's own codes) may come after the
-tool ran, so its outcome is unknown."""
+"""The errors a server answers from its dispatch, before any tool runs: the call had no
+effect. Not the others, though some are usually refusals: a running tool may raise any
+error (the SDK passes an `MCPError` from a handler through, and raises `INVALID_REQUEST`
+itself when a tool asks its client something after its effect, over a transport that
+cannot carry the question), and the client makes up `INVALID_REQUEST` and `PARSE_ERROR`
+from a response it cannot read. So any other code, `REQUEST_TIMEOUT` (the SDK's own read
+timeout) and `CONNECTION_CLOSED` included, is an unknown outcome."""
+
+_SESSION_LOST = frozenset({types.CONNECTION_CLOSED})
+"""Errors after which the session is gone. A timeout or an error the server sent leaves
+it open, and the calls in flight beside this one go on in it."""
 
 
 def _no_answer_reason(error: BaseException) -> str:
@@ -286,16 +288,18 @@ def mcp_tool(
     )
 
     async def call(
-        tool_name: str, arguments: Mapping[str, Any], context: ToolContext
+        tool_name: str, arguments: Mapping[str, Any], context: ToolContext, *, keyed: bool = True
     ) -> types.CallToolResult:
         client = await connection.client(
             context.secrets, max(context.seconds_left() - _CONNECT_MARGIN_S, 0.01)
         )
-        key = context.idempotency_key
         timeout = max(context.seconds_left(), 0.05)
-        meta = types.RequestParamsMeta()
-        meta[OPERATION_ID_META] = key  # type: ignore[literal-required]
-        meta["idempotencyKey"] = key  # type: ignore[typeddict-unknown-key]
+        meta: types.RequestParamsMeta | None = None
+        if keyed:
+            key = context.idempotency_key
+            meta = types.RequestParamsMeta()
+            meta[OPERATION_ID_META] = key  # type: ignore[literal-required]
+            meta["idempotencyKey"] = key  # type: ignore[typeddict-unknown-key]
         try:
             return await client.call_tool(
                 tool_name,
@@ -314,10 +318,12 @@ def mcp_tool(
             # The SDK's own timeout (`REQUEST_TIMEOUT`), a connection closed mid-call,
             # or a server failure after it took the call: sent, and no answer.
             no_answer: BaseException = error
+            session_lost = error.code in _SESSION_LOST
         except (TimeoutError, anyio.ClosedResourceError, anyio.BrokenResourceError,
                 httpx2.HTTPError, OSError) as error:
-            no_answer = error
-        await connection.drop()
+            no_answer, session_lost = error, True
+        if session_lost:
+            await connection.drop()
         # Sent, but no answer: it may have happened.
         raise ToolError(
             ErrorCategory.TRANSIENT, "UPSTREAM_NO_ANSWER",
@@ -343,7 +349,10 @@ def mcp_tool(
                 "an MCP server offers no lookup by idempotency key; a person decides"
             )
         try:
-            result = await call(lookup_tool, {"operation_id": operation_id}, context)
+            # Not under the operation's own key: a server that deduplicates by key would
+            # keep the lookup's answer under it, and hand it back to the call run again.
+            result = await call(lookup_tool, {"operation_id": operation_id}, context,
+                                keyed=False)
         except (ToolError, UpstreamUnavailable):
             return Reconciliation.unknown("the lookup tool did not answer")
         found = result.structured_content if isinstance(result.structured_content, dict) else {}

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from mcp.server.mcpserver import Context, MCPServer
-from mcp_types import ToolAnnotations
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_REQUEST, ToolAnnotations
 
 server = MCPServer("sample-notes", instructions="Notes and a log, for opledger's tests.")
 
@@ -101,8 +102,11 @@ def _started() -> Path:
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
-def lookup_call(operation_id: str) -> Lookup:
+def lookup_call(operation_id: str, ctx: Context) -> Lookup:
     """What became of the call sent with this idempotency key."""
+    sent_key = (ctx.request_context.meta or {}).get("io.opledger/operationId")
+    with _effects().with_name(_effects().name + ".lookups").open("a", encoding="utf-8") as file:
+        file.write(json.dumps({"operation_id": operation_id, "key": sent_key}) + "\n")
     for effect in reversed(effects()):
         if effect["key"] == operation_id and effect["tool"] == "append_log":
             return {"status": "applied", "data": effect["result"]}
@@ -124,6 +128,14 @@ def append_log(line: str, delay_ms: int, ctx: Context) -> Appended:
     _record("append_log", {"line": line, "delay_ms": delay_ms}, ctx,
             result={"line": line, "count": count})
     return {"line": line, "count": count}
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
+def append_then_refuse(line: str, ctx: Context) -> Appended:
+    """Append a line, then fail with a JSON-RPC error that usually means "refused":
+    a tool may raise any error after its effect."""
+    count = _record("append_then_refuse", {"line": line}, ctx)
+    raise MCPError(INVALID_REQUEST, f"refused after appending line {count}")
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))

@@ -96,6 +96,56 @@ async def test_a_lost_answer_is_unknown_while_it_runs_then_applied_once(
     assert late.data["line"] == "slow"
 
 
+async def _run(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
+    ran = tool.run(arguments, context)
+    assert inspect.isawaitable(ran)  # the MCP tool is async
+    return await ran
+
+
+async def test_one_calls_lost_answer_leaves_the_others_in_flight_alone(
+    upstream: tuple[str, Path],
+) -> None:
+    """A timeout is this call's: the session the calls share stays open, and a call
+    beside it gets its answer."""
+    url, effects = upstream
+    tool = mcp_tool("append_log", McpUpstream(url=url))
+    slow = asyncio.ensure_future(
+        _run(tool, {"line": "beside", "delay_ms": 1500}, _context("op-beside", 10))
+    )
+    await asyncio.sleep(0.2)
+    with pytest.raises(ToolError) as lost:
+        await _run(tool, {"line": "cut", "delay_ms": 1500}, _context("op-cut", 0.5))
+    assert lost.value.outcome_unknown
+    assert (await slow)["line"] == "beside"
+    assert len(_sent(effects, "op-beside")) == 1
+
+
+async def test_an_error_a_tool_raises_after_its_effect_is_an_unknown_outcome(
+    upstream: tuple[str, Path],
+) -> None:
+    """`INVALID_REQUEST` usually means "refused", but a tool may raise it (or any code)
+    after its effect: only the server's dispatch refusals are taken as nothing ran."""
+    url, effects = upstream
+    tool = mcp_tool("append_then_refuse", McpUpstream(url=url))
+    with pytest.raises(ToolError) as failed:
+        await _run(tool, {"line": "then refused"}, _context("op-refused-late", 5))
+    assert failed.value.code == "UPSTREAM_NO_ANSWER" and failed.value.outcome_unknown
+    assert len(_sent(effects, "op-refused-late")) == 1
+
+
+async def test_the_lookup_is_not_sent_under_the_operations_key(
+    upstream: tuple[str, Path],
+) -> None:
+    """A server that deduplicates by key would keep the lookup's answer under the
+    operation's key and hand it to the call run again after `not_applied`."""
+    url, effects = upstream
+    tool = mcp_tool("append_log", McpUpstream(url=url), lookup_tool="lookup_call")
+    await _reconcile(tool, "op-looked-up")
+    lookups = effects.with_name(effects.name + ".lookups").read_text().splitlines()
+    asked = [json.loads(line) for line in lookups if "op-looked-up" in line]
+    assert asked == [{"operation_id": "op-looked-up", "key": None}]
+
+
 async def test_a_call_never_sent_is_not_applied(upstream: tuple[str, Path]) -> None:
     url, _ = upstream
     tool = mcp_tool("append_log", McpUpstream(url=url), lookup_tool="lookup_call")
