@@ -21,6 +21,7 @@ import itertools
 import os
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["free_port", "port_range"]
@@ -55,7 +56,16 @@ def port_range(worker: str | None = None) -> range:
     return range(start, start + size)
 
 
-_turn = itertools.cycle(port_range())
+def _turn_from(ports: range, offset: int) -> Iterator[int]:
+    """`ports` in turn from `offset` on, round and round."""
+    start = offset % len(ports)
+    return itertools.cycle([*ports[start:], *ports[:start]])
+
+
+# From a place of this process's own: two test sessions on one machine (two checkouts,
+# two users) have workers of the same names, and would otherwise walk the same ports in
+# the same order. A port another process holds is passed over, as any held port is.
+_turn = _turn_from(port_range(), os.getpid() * 7919)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -18,26 +18,25 @@ A_POSTGRES_TEST = (
 )
 
 
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound here, never listened on)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _pytest(require: str | None) -> subprocess.CompletedProcess[str]:
     env = {
         key: value
         for key, value in os.environ.items()
         if not key.startswith(("OPLEDGER_", "PYTEST_XDIST"))
     }
-    env["OPLEDGER_TEST_POSTGRES_DSN"] = f"postgresql://postgres@127.0.0.1:{_closed_port()}/test"
     if require is not None:
         env["OPLEDGER_REQUIRE_POSTGRES"] = require
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", A_POSTGRES_TEST],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )
+    # A port bound here and never listened on, for the whole run: nothing else can take
+    # it, and a connection to it is refused.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        env["OPLEDGER_TEST_POSTGRES_DSN"] = f"postgresql://postgres@127.0.0.1:{port}/test"
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider",
+             A_POSTGRES_TEST],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )
 
 
 @pytest.mark.parametrize("require", [None, "0", "false"])

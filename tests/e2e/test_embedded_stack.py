@@ -164,12 +164,14 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.timeout(480)  # its waits: 60 s for up, 280 s for the demo, 60 s for Ctrl-C
 def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
     """`opledger up` in the foreground, `opledger demo` against it from another
     terminal, then Ctrl-C (SIGINT) to `up`: every process it started is gone. Both
     through the `opledger` command the package installs."""
     home = tmp_path / "home"
     log = tmp_path / "up.log"
+    started: set[int] = set()
     with log.open("w") as out:
         up = subprocess.Popen(
             [*opledger_command(), "up", "--home", str(home)],
@@ -199,13 +201,24 @@ def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         # Still the same stack: the demo paused an executor and let it go again.
         assert set(info.pids.values()) <= _descendants(up.pid)
 
+        started |= _descendants(up.pid)
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert "stopping…" in log.read_text()
+        left = [pid for pid in started if _alive(pid)]
+        assert left == [], [_cmdline(pid) for pid in left]
     finally:
+        # A failure above must not leave the stack behind: Ctrl-C first, as a person
+        # would, then whatever `up` started and did not stop.
         if up.poll() is None:
-            up.kill()
-            up.wait()
-    assert "stopping…" in log.read_text()
-    left = [pid for pid in started if _alive(pid)]
-    assert left == [], [_cmdline(pid) for pid in left]
+            started |= _descendants(up.pid)
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        for pid in started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
     assert running_stack(home.resolve()) is None

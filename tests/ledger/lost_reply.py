@@ -41,7 +41,8 @@ class LostReplyProxy:
         self._markers: tuple[bytes, ...] | None = None
         self._at_once = False
         self.lost = threading.Event()
-        """Set once a reply was lost: the statement had run to its end on the server."""
+        """Set once a reply was lost: the statement had run to its end on the server and
+        its transaction committed (with `at_once`: once the statement was sent)."""
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -79,6 +80,7 @@ class LostReplyProxy:
     def _pipe(self, client: socket.socket, server: socket.socket) -> None:
         losing = False  # the marked statement went out: the server's answer is held back
         held = b""
+        failed = False
         with client, server:
             while True:
                 # Waiting for a lost answer, not forever: a test then fails, not hangs.
@@ -101,8 +103,10 @@ class LostReplyProxy:
                             losing = True
                     elif losing:
                         held += data
+                        failed = failed or _READY_FOR_QUERY + b"E" in held
                         if _READY_FOR_QUERY + b"I" in held:  # the transaction is over
-                            self.lost.set()
+                            if not failed:  # committed: an answer lost, not a failure
+                                self.lost.set()
                             return
                         # Within a transaction: its answers go on, up to its COMMIT.
                         end = max(held.rfind(_READY_FOR_QUERY + s) for s in (b"T", b"E"))

@@ -156,9 +156,8 @@ def test_an_append_cut_while_it_waits_for_the_lock_and_committed_later_is_kept(
     through: _Through, postgres_storage: StorageConfig, event: str
 ) -> None:
     """Cut while another writer holds the table's lock, the append is not dead: the
-    server runs it once the lock is free, after this ledger looked for it and found
-    nothing. The append tried again then waits behind it and fails on its events, and
-    is looked into once more."""
+    server runs it once the lock is free. The append tried again waits behind it, fails
+    on its events, and is looked into: found, as sent."""
     ledger = through.ledger
     assert ledger.budget is not None
     ledger.budget.view_kept_current()
@@ -173,7 +172,7 @@ def test_an_append_cut_while_it_waits_for_the_lock_and_committed_later_is_kept(
         else:
             answer = _in_thread(lambda: ledger.lease("op-first", executor="exec-1"))
         assert through.proxy.lost.wait(10), "the append was never sent"
-        time.sleep(0.5)  # the lookup finds nothing; the next try queues for the lock
+        time.sleep(0.5)  # the library tries again, and queues for the lock behind it
     if event == "Proposed":
         submission = answer()
         assert isinstance(submission, Submission) and submission.state is S.READY
