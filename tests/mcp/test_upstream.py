@@ -37,11 +37,12 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
     """The sample server's URL, and the file where it records its effects."""
     home = tmp_path_factory.mktemp("lookup")
     effects, log, port = home / "effects.jsonl", home / "server.log", free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_MCP_EFFECTS": str(effects)},
-    )
+    with log.open("wb") as output:  # the child keeps its own copy of the file
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port)],
+            stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_MCP_EFFECTS": str(effects)},
+        )
     try:
         wait_for_port(port, server, log)
         yield f"http://127.0.0.1:{port}/mcp", effects
@@ -164,20 +165,21 @@ async def test_without_a_lookup_or_with_one_that_fails_a_person_decides(
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
-    """A sample server that answers only requests bearing its token: URL, token, log."""
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A sample server that answers only requests bearing its token: URL, token."""
     home = tmp_path_factory.mktemp("bearer")
     log, port, token = home / "server.log", free_port(), secrets.token_urlsafe(24)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port),
-         "--token-env", "SAMPLE_TOKEN"],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_TOKEN": token,
-             "SAMPLE_MCP_EFFECTS": str(home / "effects.jsonl")},
-    )
+    with log.open("wb") as output:  # the child keeps its own copy of the file
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port),
+             "--token-env", "SAMPLE_TOKEN"],
+            stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_TOKEN": token,
+                 "SAMPLE_MCP_EFFECTS": str(home / "effects.jsonl")},
+        )
     try:
         wait_for_port(port, server, log)
-        yield f"http://127.0.0.1:{port}/mcp", token, log
+        yield f"http://127.0.0.1:{port}/mcp", token
     finally:
         _stop(server)
 
@@ -190,9 +192,9 @@ async def _call_noop(tool: Tool, secret: dict[str, str]) -> Any:
 
 
 async def test_an_http_upstream_gets_the_bearer_token_from_the_executors_secrets(
-    guarded: tuple[str, str, Path],
+    guarded: tuple[str, str],
 ) -> None:
-    url, token, _ = guarded
+    url, token = guarded
     upstream = McpUpstream(url=url, bearer_secret="NOTES_TOKEN")
     # The token is the executor's secret, by its name (case-insensitive).
     assert await _call_noop(mcp_tool("noop", upstream), {"notes_token": token}) == {"ok": True}
