@@ -242,22 +242,23 @@ def _category(
     return "UPSTREAM_TOOL_ERROR", ErrorCategory.INTERNAL
 
 
-_REFUSED_BEFORE_RUNNING = frozenset({
-    types.METHOD_NOT_FOUND,
-    types.UNSUPPORTED_PROTOCOL_VERSION,
-    types.HEADER_MISMATCH,
-})
-"""The errors a server answers from its dispatch, before any tool runs: the call had no
-effect. Not the others, though some are usually refusals: a running tool may raise any
-error (the SDK passes an `MCPError` from a handler through, and raises `INVALID_REQUEST`
-itself when a tool asks its client something after its effect, over a transport that
-cannot carry the question), and the client makes up `INVALID_REQUEST` and `PARSE_ERROR`
-from a response it cannot read. So any other code, `REQUEST_TIMEOUT` (the SDK's own read
-timeout) and `CONNECTION_CLOSED` included, is an unknown outcome."""
-
 _SESSION_LOST = frozenset({types.CONNECTION_CLOSED})
-"""Errors after which the session is gone. A timeout or an error the server sent leaves
-it open, and the calls in flight beside this one go on in it."""
+"""Errors after which the session is gone for certain."""
+
+_PROBE_S = 2.0
+"""How long a session that failed a call has to answer `tools/list` before it is dropped."""
+
+
+async def _still_answers(client: Client) -> bool:
+    """Whether the session still answers a request: a hung server or an expired session
+    does not, and is dropped. `tools/list`, which every server of tools answers, and not
+    a ping: the 2026-07-28 revision removed ping."""
+    try:
+        with anyio.fail_after(_PROBE_S):
+            await client.list_tools()
+    except Exception:  # a timeout, an MCPError, a closed stream: not answering
+        return False
+    return True
 
 
 def _no_answer_reason(error: BaseException) -> str:
@@ -308,17 +309,18 @@ def mcp_tool(
                 meta=meta,
             )
         except MCPError as error:
-            if error.code in _REFUSED_BEFORE_RUNNING:
-                # The server refused the request itself: the tool did not run.
-                raise ToolError(
-                    ErrorCategory.INTERNAL, "UPSTREAM_REFUSED",
-                    f"the MCP server refused the call: {error.message[:_MESSAGE_MAX]}",
-                    retryable=False,
-                ) from None
-            # The SDK's own timeout (`REQUEST_TIMEOUT`), a connection closed mid-call,
-            # or a server failure after it took the call: sent, and no answer.
+            # No JSON-RPC error proves the tool did not run: a running tool may raise any
+            # code after its effect (the SDK passes a handler's error through, and raises
+            # `INVALID_REQUEST` itself when a tool asks its client something over a
+            # transport that cannot carry it), and the client makes up `INVALID_REQUEST`
+            # and `PARSE_ERROR` from a response it cannot read. With the SDK's own read
+            # timeout (`REQUEST_TIMEOUT`) and a closed connection, all are: sent, and no
+            # answer. (A tool's own failure is an `isError` result, below.)
             no_answer: BaseException = error
-            session_lost = error.code in _SESSION_LOST
+            # A timeout or an error the server sent leaves the session open for the calls
+            # in flight beside this one, unless it no longer answers at all (a hung
+            # server, an expired session): then it goes, and the next call opens anew.
+            session_lost = error.code in _SESSION_LOST or not await _still_answers(client)
         except (TimeoutError, anyio.ClosedResourceError, anyio.BrokenResourceError,
                 httpx2.HTTPError, OSError) as error:
             no_answer, session_lost = error, True

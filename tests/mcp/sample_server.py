@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.shared.exceptions import MCPError
-from mcp_types import INVALID_REQUEST, ToolAnnotations
+from mcp_types import ToolAnnotations
 
 server = MCPServer("sample-notes", instructions="Notes and a log, for opledger's tests.")
 
@@ -131,11 +131,19 @@ def append_log(line: str, delay_ms: int, ctx: Context) -> Appended:
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False))
-def append_then_refuse(line: str, ctx: Context) -> Appended:
-    """Append a line, then fail with a JSON-RPC error that usually means "refused":
-    a tool may raise any error after its effect."""
-    count = _record("append_then_refuse", {"line": line}, ctx)
-    raise MCPError(INVALID_REQUEST, f"refused after appending line {count}")
+def append_then_raise(line: str, code: int, ctx: Context) -> Appended:
+    """Append a line, then fail with JSON-RPC error `code`, often one that means "refused"
+    (invalid request, method not found): a tool may raise any error after its effect."""
+    count = _record("append_then_raise", {"line": line}, ctx)
+    raise MCPError(code, f"error {code} after appending line {count}")
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def hang(seconds: float) -> Done:
+    """Hold the server's event loop for `seconds` (a server that hangs): nothing else,
+    not even a ping, is answered meanwhile."""
+    time.sleep(seconds)
+    return {"ok": True}
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))

@@ -16,12 +16,14 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp_types import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
 
 from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolError
 from ledger.mcp import McpConfigError
@@ -121,17 +123,41 @@ async def test_one_calls_lost_answer_leaves_the_others_in_flight_alone(
     assert len(_sent(effects, "op-beside")) == 1
 
 
+@pytest.mark.parametrize("code", [INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR, INTERNAL_ERROR])
 async def test_an_error_a_tool_raises_after_its_effect_is_an_unknown_outcome(
-    upstream: tuple[str, Path],
+    upstream: tuple[str, Path], code: int
 ) -> None:
-    """`INVALID_REQUEST` usually means "refused", but a tool may raise it (or any code)
-    after its effect: only the server's dispatch refusals are taken as nothing ran."""
+    """Codes that usually mean "refused", but a tool may raise any code after its effect:
+    no JSON-RPC error is taken as "nothing ran"."""
     url, effects = upstream
-    tool = mcp_tool("append_then_refuse", McpUpstream(url=url))
+    key = f"op-raised-{code}"
+    tool = mcp_tool("append_then_raise", McpUpstream(url=url))
     with pytest.raises(ToolError) as failed:
-        await _run(tool, {"line": "then refused"}, _context("op-refused-late", 5))
+        await _run(tool, {"line": "then an error", "code": code}, _context(key, 5))
     assert failed.value.code == "UPSTREAM_NO_ANSWER" and failed.value.outcome_unknown
-    assert len(_sent(effects, "op-refused-late")) == 1
+    assert len(_sent(effects, key)) == 1
+
+
+async def test_a_hung_server_is_started_anew_for_the_next_call(tmp_path: Path) -> None:
+    """A stdio server whose loop hangs answers nothing, not even a ping: the session is
+    dropped (and the server with it), and the next call gets a fresh one at once."""
+    upstream = McpUpstream(
+        command=(sys.executable, "-m", "tests.mcp.sample_server"),
+        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
+    )
+    secrets_of = {"sample_effects": str(tmp_path / "effects.jsonl")}
+    tool = mcp_tool("hang", upstream)
+
+    def context(key: str, seconds: float) -> ToolContext:
+        return dataclasses.replace(_context(key, seconds), secrets=secrets_of)
+
+    assert await _run(tool, {"seconds": 0}, context("op-warm", 20)) == {"ok": True}
+    with pytest.raises(ToolError) as hung:
+        await _run(tool, {"seconds": 60}, context("op-hung", 0.5))
+    assert hung.value.outcome_unknown
+    started = time.monotonic()
+    assert await _run(tool, {"seconds": 0}, context("op-next", 20)) == {"ok": True}
+    assert time.monotonic() - started < 15  # a new server, not the hung one after 60 s
 
 
 async def test_the_lookup_is_not_sent_under_the_operations_key(
