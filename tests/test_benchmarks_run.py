@@ -29,6 +29,11 @@ def _bench(script: str, *args: str, timeout_s: float = 240) -> str:
     )
     try:
         out, err = bench.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(bench.pid, signal.SIGKILL)
+        out, err = bench.communicate()  # what it printed, for the failure's message
+        printed = f"{out[-3000:]}{err[-3000:]}"
+        raise AssertionError(f"{script} ran past {timeout_s:g} s:\n{printed}") from None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(bench.pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ commands that find it without flags, and a clean stop; `opledger demo` as a smok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -146,9 +147,19 @@ def test_demo_runs_every_step_as_stated(tmp_path: Path) -> None:
     assert "✘" not in table
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process started under `pid`, at any depth, alive now."""
-    found: set[int] = set()
+def _started_at(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), None if it is gone: with its
+    PID, what tells it from a later process given the same PID."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[19])  # field 22 of stat; 19 here, after the name and two before it
+
+
+def _descendants(pid: int) -> set[tuple[int, int]]:
+    """Every process started under `pid`, at any depth, alive now: (PID, start time)."""
+    found: set[tuple[int, int]] = set()
     todo = [pid]
     while todo:
         parent = todo.pop()
@@ -158,10 +169,20 @@ def _descendants(pid: int) -> set[int]:
             except OSError:
                 continue
             for child in map(int, children):
-                if child not in found:
-                    found.add(child)
+                started = _started_at(child)
+                if started is not None and (child, started) not in found:
+                    found.add((child, started))
                     todo.append(child)
     return found
+
+
+def _still_running(process: tuple[int, int]) -> bool:
+    """The same process still there, not a later one with its PID, and not a zombie."""
+    pid, started = process
+    try:
+        return _started_at(pid) == started and _alive(pid)
+    except OSError:
+        return False
 
 
 @pytest.mark.timeout(480)  # its waits: 60 s for up, 280 s for the demo, 60 s for Ctrl-C
@@ -171,7 +192,7 @@ def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
     through the `opledger` command the package installs."""
     home = tmp_path / "home"
     log = tmp_path / "up.log"
-    started: set[int] = set()
+    started: set[tuple[int, int]] = set()
     with log.open("w") as out:
         up = subprocess.Popen(
             [*opledger_command(), "up", "--home", str(home)],
@@ -187,7 +208,8 @@ def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         info = running_stack(home.resolve())
         assert info is not None
         # nats-server, the ledger service and one executor per sample tool, at least.
-        assert set(info.pids.values()) <= started and len(started) >= 5, (info.pids, started)
+        pids = {pid for pid, _ in started}
+        assert set(info.pids.values()) <= pids and len(started) >= 5, (info.pids, started)
 
         demo = subprocess.run(
             [*opledger_command(), "demo", "--home", str(home)],
@@ -199,13 +221,13 @@ def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         assert "all steps behaved as stated" in demo.stdout
         assert up.poll() is None, "up stopped during the demo"
         # Still the same stack: the demo paused an executor and let it go again.
-        assert set(info.pids.values()) <= _descendants(up.pid)
+        assert set(info.pids.values()) <= {pid for pid, _ in _descendants(up.pid)}
 
         started |= _descendants(up.pid)
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0, log.read_text()[-3000:]
         assert "stopping…" in log.read_text()
-        left = [pid for pid in started if _alive(pid)]
+        left = [pid for pid, since in started if _still_running((pid, since))]
         assert left == [], [_cmdline(pid) for pid in left]
     finally:
         # A failure above must not leave the stack behind: Ctrl-C first, as a person
@@ -218,7 +240,8 @@ def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 up.kill()
                 up.wait()
-        for pid in started:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for process in started:
+            if _still_running(process):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process[0], signal.SIGKILL)
     assert running_stack(home.resolve()) is None

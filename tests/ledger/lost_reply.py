@@ -21,9 +21,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["LostReplyProxy"]
 
-_READY_FOR_QUERY = b"Z\x00\x00\x00\x05"
-"""The server's ReadyForQuery message, up to its transaction status byte: `I` idle
-(the transaction is over), `T` in a transaction, `E` in a failed one."""
+_NEGOTIATIONS = (
+    bytes.fromhex("0000000804d2162f"),  # SSLRequest
+    bytes.fromhex("0000000804d21630"),  # GSSENCRequest
+)
+"""What a client may send before its startup message; the server answers each with one
+byte (`S`, `G` or `N`), the only server bytes not framed as messages."""
 
 
 class LostReplyProxy:
@@ -79,8 +82,9 @@ class LostReplyProxy:
 
     def _pipe(self, client: socket.socket, server: socket.socket) -> None:
         losing = False  # the marked statement went out: the server's answer is held back
-        held = b""
-        failed = False
+        held: list[bytes] = []
+        failed = False  # an ErrorResponse since: nothing of that transaction is stored
+        replies = _Messages()
         with client, server:
             while True:
                 # Waiting for a lost answer, not forever: a test then fails, not hangs.
@@ -96,22 +100,62 @@ class LostReplyProxy:
                         return
                     if source is client:
                         server.sendall(data)  # all of it, a long statement's later chunks too
+                        if data[:8] in _NEGOTIATIONS:
+                            replies.unframed += 1  # the server answers it with one byte
                         if not losing and self._take_marker(data):
                             if self._at_once:
                                 self.lost.set()
                                 return  # both ends close now, the statement on its way
                             losing = True
-                    elif losing:
-                        held += data
-                        failed = failed or _READY_FOR_QUERY + b"E" in held
-                        if _READY_FOR_QUERY + b"I" in held:  # the transaction is over
+                        continue
+                    passed: list[bytes] = []
+                    for message in replies.feed(data):
+                        if not losing:
+                            passed.append(message)
+                            continue
+                        held.append(message)
+                        kind = message[:1]
+                        failed = failed or kind == b"E"
+                        if kind == b"Z" and message[5:6] == b"I":  # the transaction is over
                             if not failed:  # committed: an answer lost, not a failure
                                 self.lost.set()
                             return
-                        # Within a transaction: its answers go on, up to its COMMIT.
-                        end = max(held.rfind(_READY_FOR_QUERY + s) for s in (b"T", b"E"))
-                        if end >= 0:
-                            client.sendall(held[: end + len(_READY_FOR_QUERY) + 1])
-                            held = held[end + len(_READY_FOR_QUERY) + 1 :]
-                    else:
-                        client.sendall(data)
+                        if kind == b"Z":  # within a transaction: on, up to its COMMIT
+                            passed += held
+                            held = []
+                    if passed:
+                        client.sendall(b"".join(passed))
+
+
+class _Messages:
+    """The server's bytes, cut into protocol messages: a type byte, then an int32 length
+    that counts itself and the body."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.unframed = 0
+        """Single bytes owed before the next message (answers to SSL or GSS requests)."""
+        self._encrypted = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The messages `data` completes, in order (a partial one waits for the rest)."""
+        self._buffer += data
+        messages: list[bytes] = []
+        while self.unframed and self._buffer:
+            answer, self._buffer = self._buffer[:1], self._buffer[1:]
+            messages.append(answer)
+            self.unframed -= 1
+            # Encryption accepted: nothing after is readable here (nor is any marker in
+            # what the client sends, so no answer is lost, and a test says so).
+            self._encrypted = self._encrypted or answer in (b"S", b"G")
+        if self._encrypted:
+            messages.append(self._buffer)
+            self._buffer = b""
+            return [m for m in messages if m]
+        while len(self._buffer) >= 5:
+            end = 1 + int.from_bytes(self._buffer[1:5], "big")
+            if len(self._buffer) < end:
+                break
+            messages.append(self._buffer[:end])
+            self._buffer = self._buffer[end:]
+        return messages
