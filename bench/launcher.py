@@ -432,19 +432,6 @@ def _any_reply(_value: str) -> None:
     setattr(requests, "reply_allowed", reply_allowed)  # noqa: B010 (not exported there)
 
 
-def _relay_refresh(value: str) -> None:
-    """Service: bring the view up to date from the relay every VALUE seconds (default
-    0.25, `ledger.server.relay._relay._REFRESH_EVERY_S`).
-
-    On SQLite the relay brings the view up to date on the event loop, and at 200/s
-    each of those refreshes folds a quarter second of events at once: a stall of the
-    loop several times a second. More often means shorter stalls, at a transaction each.
-    """
-    from ledger.server.relay import _relay
-
-    setattr(_relay, "_REFRESH_EVERY_S", float(value))  # noqa: B010 (private, on purpose)
-
-
 PATCHES: dict[str, Callable[[str], None]] = {
     "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
@@ -455,7 +442,6 @@ PATCHES: dict[str, Callable[[str], None]] = {
     "pg-statements": _pg_statements,
     "lease-in-result": _lease_in_result,
     "any-reply": _any_reply,
-    "relay-refresh": _relay_refresh,
 }
 """Experiment name → function applying it (its docstring names the source change)."""
 

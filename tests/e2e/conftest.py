@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,6 +149,19 @@ class BackendStack:
         )
         self.executors.append(process)
         return process
+
+
+def interrupt(process: subprocess.Popen[Any], timeout_s: float) -> None:
+    """Ctrl-C to `process` (SIGINT), as a person at its terminal would; killed if it has
+    not stopped within `timeout_s`."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def opledger_command() -> list[str]:

@@ -20,7 +20,7 @@ from ledger.client import AgentHostClient
 from ledger.embedded import DEMO_HOST, EmbeddedStack, require_running_stack, running_stack
 from ledger.nats import connect_as, load_credentials
 from schemas import RuntimeContext, ToolProposal
-from tests.e2e.conftest import opledger_command
+from tests.e2e.conftest import interrupt, opledger_command
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -234,12 +234,7 @@ def test_up_serves_the_demo_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
         # would, then whatever `up` started and did not stop.
         if up.poll() is None:
             started |= _descendants(up.pid)
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
+            interrupt(up, timeout_s=30)
         for process in started:
             if _still_running(process):
                 with contextlib.suppress(ProcessLookupError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import opledger_command
+from tests.e2e.conftest import interrupt, opledger_command
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(400)]
 
@@ -119,10 +118,5 @@ def test_the_five_minute_tour_runs_as_written(tmp_path: Path) -> None:
     finally:
         if host is not None and host.poll() is None:
             host.kill()
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        interrupt(up, timeout_s=60)
     assert up.returncode == 0, log.read_text()[-3000:]

@@ -397,23 +397,27 @@ def test_seed_004_snapshot_of_another_document_is_source_mismatch() -> None:
     assert checker.check(repaired, CONTEXT).outcome is DecisionOutcome.READY
 
 
+def _issues_comparing(
+    checker: ProposalChecker, source: str, context: RuntimeContext = CONTEXT
+) -> list[str]:
+    """Every issue of the answer to comparing two snapshots of `source`, byte for byte,
+    with the ID asked about as `<id>`."""
+    arguments = {
+        "source_id": source,
+        "before_snapshot_id": "snap-a-7",
+        "after_snapshot_id": "snap-a-8",
+    }
+    decision = checker.check(
+        _proposal(arguments, tool_name="compare_document_snapshots"), context
+    )
+    return [issue.model_dump_json().replace(source, "<id>") for issue in decision.issues]
+
+
 def test_target_in_another_tenant_looks_exactly_like_a_missing_one() -> None:
     checker = _checker(_snapshot_contract(), resolver=WORLD)
-
-    def attempt(source: str) -> list[str]:
-        """Every issue of the answer, byte for byte, with the ID asked about as `<id>`."""
-        arguments = {
-            "source_id": source,
-            "before_snapshot_id": "snap-a-7",
-            "after_snapshot_id": "snap-a-8",
-        }
-        decision = checker.check(
-            _proposal(arguments, tool_name="compare_document_snapshots"), CONTEXT
-        )
-        assert decision.issues and decision.issues[0].code == "TARGET_NOT_FOUND"
-        return [issue.model_dump_json().replace(source, "<id>") for issue in decision.issues]
-
-    other_tenant, missing = attempt("document-z"), attempt("document-nope")
+    other_tenant = _issues_comparing(checker, "document-z")
+    missing = _issues_comparing(checker, "document-nope")
+    assert ValidationIssue.model_validate_json(missing[0]).code == "TARGET_NOT_FOUND"
     # The same words, fields and values (a message naming the owner, or saying "another
     # tenant", would differ), and nothing of the other tenant anywhere.
     assert other_tenant == missing
@@ -438,20 +442,10 @@ def test_an_unauthorized_caller_cannot_probe_which_targets_exist() -> None:
     one of another tenant, and nothing is looked up for it."""
     resolver = _Asked()
     checker = _checker(_snapshot_contract(("documents:compare",)), resolver=resolver)
-
-    def attempt(source: str, context: RuntimeContext) -> list[str]:
-        arguments = {
-            "source_id": source,
-            "before_snapshot_id": "snap-a-7",
-            "after_snapshot_id": "snap-a-8",
-        }
-        decision = checker.check(
-            _proposal(arguments, tool_name="compare_document_snapshots"), context
-        )
-        return [issue.model_dump_json().replace(source, "<id>") for issue in decision.issues]
-
-    unauthorized = CONTEXT
-    answers = [attempt(s, unauthorized) for s in ("document-a", "document-nope", "document-z")]
+    answers = [
+        _issues_comparing(checker, source)  # CONTEXT lacks documents:compare
+        for source in ("document-a", "document-nope", "document-z")
+    ]
     assert answers[0] == answers[1] == answers[2]
     assert [ValidationIssue.model_validate_json(i).code for i in answers[0]] == [
         "CAPABILITY_DENIED"
@@ -461,8 +455,8 @@ def test_an_unauthorized_caller_cannot_probe_which_targets_exist() -> None:
     allowed = RuntimeContext(
         principal="alice", tenant="acme", capabilities=frozenset({"documents:compare"})
     )
-    assert attempt("document-a", allowed) == []
-    assert attempt("document-nope", allowed) != []
+    assert _issues_comparing(checker, "document-a", allowed) == []
+    assert _issues_comparing(checker, "document-nope", allowed) != []
     assert resolver.asked
 
 
