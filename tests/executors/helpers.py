@@ -127,12 +127,13 @@ def context(
     *,
     secrets: Mapping[str, str] | None = None,
     attempt: int = 1,
+    seconds: float = 5.0,
 ) -> ToolContext:
-    """A tool context as the processor builds it."""
+    """A tool context as the processor builds it (its deadline `seconds` from now)."""
     return ToolContext(
         operation_id=operation_id,
         attempt=attempt,
-        deadline=datetime.now(UTC) + timedelta(seconds=5),
+        deadline=datetime.now(UTC) + timedelta(seconds=seconds),
         fencing_token=attempt,
         secrets=dict(secrets or {}),
         principal=TRUSTED.principal,

@@ -218,6 +218,28 @@ class McpStack:
             await agent_host.close()
 
 
+def start_sample_http_server(
+    home: Path, effects: Path, *options: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The sample MCP server over Streamable HTTP on a free port, recording its effects
+    in `effects` (`options`: its own, such as `--token-env`; `env`: added to its
+    environment), once it listens: the process (the caller stops it) and its URL."""
+    port, log = free_port(), home / f"sample-server-{secrets.token_hex(4)}.log"
+    with log.open("wb") as output:  # the child keeps its own copy of the file
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port), *options],
+            stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_MCP_EFFECTS": str(effects),
+                 **(env or {})},
+        )
+    try:
+        wait_for_port(port, server, log)
+    except BaseException:
+        _stop(server)
+        raise
+    return server, f"http://127.0.0.1:{port}/mcp"
+
+
 def _executor(
     stack: BackendStack, tool: str, upstream: list[str], effects: Path
 ) -> subprocess.Popen[bytes]:
@@ -262,16 +284,9 @@ def _mcp_stack(transport: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         mcp = McpStack(transport, stack, effects)
         try:
             if transport == "http":
-                port = free_port()
-                log = home / "sample-server.log"
-                server = subprocess.Popen(
-                    [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port)],
-                    stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-                    env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_MCP_EFFECTS": str(effects)},
-                )
+                server, url = start_sample_http_server(home, effects)
                 mcp.processes.append(server)
-                wait_for_port(port, server, log)
-                upstream = ["--upstream", f"http://127.0.0.1:{port}/mcp"]
+                upstream = ["--upstream", url]
             else:
                 upstream = ["--upstream-command", f"{sys.executable} -m tests.mcp.sample_server",
                             "--env-secret", "SAMPLE_MCP_EFFECTS=sample_effects"]

@@ -9,16 +9,12 @@ own secrets, and nowhere else."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import json
-import os
 import secrets
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +24,8 @@ from mcp_types import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_E
 from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolError
 from ledger.mcp import McpConfigError
 from ledger.mcp.executor import McpUpstream, mcp_tool
-from tests.mcp.conftest import ROOT, _stop, wait_for_port
-from tests.ports import free_port
+from tests.executors.helpers import context
+from tests.mcp.conftest import _stop, start_sample_http_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -38,32 +34,26 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """The sample server's URL, and the file where it records its effects."""
     home = tmp_path_factory.mktemp("lookup")
-    effects, log, port = home / "effects.jsonl", home / "server.log", free_port()
-    with log.open("wb") as output:  # the child keeps its own copy of the file
-        server = subprocess.Popen(
-            [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port)],
-            stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_MCP_EFFECTS": str(effects)},
-        )
+    effects = home / "effects.jsonl"
+    server, url = start_sample_http_server(home, effects)
     try:
-        wait_for_port(port, server, log)
-        yield f"http://127.0.0.1:{port}/mcp", effects
+        yield url, effects
     finally:
         _stop(server)
-
-
-def _context(operation_id: str, seconds: float) -> ToolContext:
-    return ToolContext(
-        operation_id=operation_id, attempt=1, fencing_token=1,
-        deadline=datetime.now(UTC) + timedelta(seconds=seconds),
-    )
 
 
 async def _reconcile(tool: Tool, operation_id: str) -> Reconciliation:
     """The tool's reconciliation of `operation_id`, as the executor asks it."""
     assert tool.reconcile is not None
-    answer = tool.reconcile(operation_id, _context(operation_id, 5))
+    answer = tool.reconcile(operation_id, context(operation_id))
     return answer if isinstance(answer, Reconciliation) else await answer
+
+
+async def _run(tool: Tool, arguments: dict[str, Any], attempt: ToolContext) -> Any:
+    """`tool`'s answer to `arguments` in `attempt`."""
+    ran = tool.run(arguments, attempt)
+    assert inspect.isawaitable(ran)  # the MCP tool is async
+    return await ran
 
 
 def _sent(effects: Path, key: str) -> list[dict[str, object]]:
@@ -80,9 +70,7 @@ async def test_a_lost_answer_is_unknown_while_it_runs_then_applied_once(
     tool = mcp_tool("append_log", McpUpstream(url=url), lookup_tool="lookup_call")
     # The executor stops waiting after half a second; the server takes two.
     with pytest.raises(ToolError) as lost:
-        ran = tool.run({"line": "slow", "delay_ms": 2000}, _context("op-lost", 0.5))
-        assert inspect.isawaitable(ran)  # the MCP tool is async
-        await ran
+        await _run(tool, {"line": "slow", "delay_ms": 2000}, context("op-lost", seconds=0.5))
     assert lost.value.code == "UPSTREAM_NO_ANSWER" and lost.value.outcome_unknown
     # Asked at once, the call is still running: neither applied nor safe to retry.
     early = await _reconcile(tool, "op-lost")
@@ -99,12 +87,6 @@ async def test_a_lost_answer_is_unknown_while_it_runs_then_applied_once(
     assert late.data["line"] == "slow"
 
 
-async def _run(tool: Tool, arguments: dict[str, Any], context: ToolContext) -> Any:
-    ran = tool.run(arguments, context)
-    assert inspect.isawaitable(ran)  # the MCP tool is async
-    return await ran
-
-
 async def test_one_calls_lost_answer_leaves_the_others_in_flight_alone(
     upstream: tuple[str, Path],
 ) -> None:
@@ -113,11 +95,11 @@ async def test_one_calls_lost_answer_leaves_the_others_in_flight_alone(
     url, effects = upstream
     tool = mcp_tool("append_log", McpUpstream(url=url))
     slow = asyncio.ensure_future(
-        _run(tool, {"line": "beside", "delay_ms": 1500}, _context("op-beside", 10))
+        _run(tool, {"line": "beside", "delay_ms": 1500}, context("op-beside", seconds=10))
     )
     await asyncio.sleep(0.2)
     with pytest.raises(ToolError) as lost:
-        await _run(tool, {"line": "cut", "delay_ms": 1500}, _context("op-cut", 0.5))
+        await _run(tool, {"line": "cut", "delay_ms": 1500}, context("op-cut", seconds=0.5))
     assert lost.value.outcome_unknown
     assert (await slow)["line"] == "beside"
     assert len(_sent(effects, "op-beside")) == 1
@@ -133,7 +115,7 @@ async def test_an_error_a_tool_raises_after_its_effect_is_an_unknown_outcome(
     key = f"op-raised-{code}"
     tool = mcp_tool("append_then_raise", McpUpstream(url=url))
     with pytest.raises(ToolError) as failed:
-        await _run(tool, {"line": "then an error", "code": code}, _context(key, 5))
+        await _run(tool, {"line": "then an error", "code": code}, context(key))
     assert failed.value.code == "UPSTREAM_NO_ANSWER" and failed.value.outcome_unknown
     assert len(_sent(effects, key)) == 1
 
@@ -148,15 +130,15 @@ async def test_a_hung_server_is_started_anew_for_the_next_call(tmp_path: Path) -
     secrets_of = {"sample_effects": str(tmp_path / "effects.jsonl")}
     tool = mcp_tool("hang", upstream)
 
-    def context(key: str, seconds: float) -> ToolContext:
-        return dataclasses.replace(_context(key, seconds), secrets=secrets_of)
+    def attempt(key: str, seconds: float) -> ToolContext:
+        return context(key, secrets=secrets_of, seconds=seconds)
 
-    assert await _run(tool, {"seconds": 0}, context("op-warm", 20)) == {"ok": True}
+    assert await _run(tool, {"seconds": 0}, attempt("op-warm", 20)) == {"ok": True}
     with pytest.raises(ToolError) as hung:
-        await _run(tool, {"seconds": 60}, context("op-hung", 0.5))
+        await _run(tool, {"seconds": 60}, attempt("op-hung", 0.5))
     assert hung.value.outcome_unknown
     started = time.monotonic()
-    assert await _run(tool, {"seconds": 0}, context("op-next", 20)) == {"ok": True}
+    assert await _run(tool, {"seconds": 0}, attempt("op-next", 20)) == {"ok": True}
     assert time.monotonic() - started < 15  # a new server, not the hung one after 60 s
 
 
@@ -194,27 +176,18 @@ async def test_without_a_lookup_or_with_one_that_fails_a_person_decides(
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """A sample server that answers only requests bearing its token: URL, token."""
     home = tmp_path_factory.mktemp("bearer")
-    log, port, token = home / "server.log", free_port(), secrets.token_urlsafe(24)
-    with log.open("wb") as output:  # the child keeps its own copy of the file
-        server = subprocess.Popen(
-            [sys.executable, "-m", "tests.mcp.sample_server", "--http", str(port),
-             "--token-env", "SAMPLE_TOKEN"],
-            stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "SAMPLE_TOKEN": token,
-                 "SAMPLE_MCP_EFFECTS": str(home / "effects.jsonl")},
-        )
+    token = secrets.token_urlsafe(24)
+    server, url = start_sample_http_server(
+        home, home / "effects.jsonl", "--token-env", "SAMPLE_TOKEN", env={"SAMPLE_TOKEN": token}
+    )
     try:
-        wait_for_port(port, server, log)
-        yield f"http://127.0.0.1:{port}/mcp", token
+        yield url, token
     finally:
         _stop(server)
 
 
 async def _call_noop(tool: Tool, secret: dict[str, str]) -> Any:
-    context = dataclasses.replace(_context("op-bearer", 5), secrets=secret)
-    ran = tool.run({}, context)
-    assert inspect.isawaitable(ran)
-    return await ran
+    return await _run(tool, {}, context("op-bearer", secrets=secret))
 
 
 async def test_an_http_upstream_gets_the_bearer_token_from_the_executors_secrets(
