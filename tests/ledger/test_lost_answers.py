@@ -12,12 +12,11 @@ a real proxy (`tests.ledger.lost_reply`) to the real server.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypeVar
 
 import psycopg
 import pytest
@@ -39,7 +38,6 @@ from tests.ledger.helpers import (
 from tests.ledger.lost_reply import LostReplyProxy
 
 S = OperationState
-T = TypeVar("T")
 
 
 @dataclass
@@ -122,33 +120,9 @@ def _events_table_locked(storage: StorageConfig) -> Iterator[None]:
     """Another writer's transaction holds the events table's lock (as an append does)."""
     with psycopg.connect(storage.postgres_dsn or "") as conn:
         conn.execute(
-            f'LOCK TABLE "{storage.postgres_schema}".opledger_events IN EXCLUSIVE MODE'
+            f'LOCK TABLE "{storage.postgres_schema}".{storage.events_table} IN EXCLUSIVE MODE'
         )
         yield
-
-
-def _in_thread(call: Callable[[], T]) -> Callable[[], T]:
-    """Run `call` on a thread now; the returned function waits for its answer."""
-    answers: list[T] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            answers.append(call())
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-
-    def answer() -> T:
-        thread.join(60)
-        assert not thread.is_alive(), "no answer within a minute"
-        if errors:
-            raise errors[0]
-        return answers[0]
-
-    return answer
 
 
 @pytest.mark.parametrize("event", ["Proposed", "LeaseClaimed"])
@@ -164,22 +138,23 @@ def test_an_append_cut_while_it_waits_for_the_lock_and_committed_later_is_kept(
     assert ledger.submit(search("op-first"), ALICE).state is S.READY
     operation_id = "op-lost" if event == "Proposed" else "op-first"
     through.proxy.lose_reply_to(operation_id, f"Operation.{event}", at_once=True)
-    with _events_table_locked(postgres_storage):
-        if event == "Proposed":
-            answer: Callable[[], object] = _in_thread(
-                lambda: ledger.submit(search("op-lost"), ALICE)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        with _events_table_locked(postgres_storage):
+            answer: Future[object] = (
+                pool.submit(ledger.submit, search("op-lost"), ALICE)
+                if event == "Proposed"
+                else pool.submit(ledger.lease, "op-first", executor="exec-1")
             )
-        else:
-            answer = _in_thread(lambda: ledger.lease("op-first", executor="exec-1"))
-        assert through.proxy.lost.wait(10), "the append was never sent"
-        time.sleep(0.5)  # the library tries again, and queues for the lock behind it
+            assert through.proxy.lost.wait(10), "the append was never sent"
+            time.sleep(0.5)  # the library tries again, and queues for the lock behind it
+        answered = answer.result(timeout=60)
     if event == "Proposed":
-        submission = answer()
+        submission = answered
         assert isinstance(submission, Submission) and submission.state is S.READY
         assert event_types(ledger, "op-lost") == ["Proposed", "Validated", "Readied"]
         assert ledger.submit(search("op-third"), ALICE).state is S.REJECTED
     else:
-        grant = answer()
+        grant = answered
         assert isinstance(grant, LeaseReply) and grant.decision is LeaseDecision.EXECUTE, grant
         assert event_types(ledger, "op-first").count("LeaseClaimed") == 1
 
