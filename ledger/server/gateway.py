@@ -20,7 +20,12 @@ the append alone (the commands on the loop, only the insert and commit on a
 writer thread, a turn's answers sent once it is stored), lost on PostgreSQL
 too (two interleaved pairs: 377 and 379 against 425 and 377 operations/s,
 p99 at 200 operations/s 236 and 308 against 105 and 109 ms, service CPU 1.90
-and 1.95 against 1.72 and 1.83 ms/op). On SQLite, group commit (commits without
+and 1.95 against 1.72 and 1.83 ms/op). Nor did awaiting the append over an
+asyncio connection of its own, with the commands on the loop and every other use
+of the ledger held off while it was in flight (no thread, so no hand-offs): the
+loop was then idle 45 % of the time at 200 operations/s instead of 10 %, and
+neither throughput nor latency moved beyond the noise (`docs/performance.md`,
+stop 35). On SQLite, group commit (commits without
 a sync, the log synced on a thread once per group, every message held until its
 commits were synced) was measured three ways and gained nothing or lost
 (`docs/performance.md`, stop 33).
