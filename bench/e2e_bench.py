@@ -60,7 +60,14 @@ PostgreSQL with the ratio of their best throughputs.
         [--tool noop|noop_sync] [--service-log-level INFO] [--profile] \\
         [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses] \\
         [--storage sqlite,postgres] [--prefill 0,1000000] [--budget 0,100000000] \\
-        [--peer dbos] [--floor] [--nats-rights production,open]
+        [--peer dbos] [--floor] [--nats-rights production,open] \\
+        [--ab sqlite-normal --pairs 3]
+
+`--ab PATCHES` compares a change against the code as it is, in one run: each
+configuration runs without (A) and with (B) those service patches, A B B A ... for
+`--pairs` pairs, and a table prints every run's throughput, percentiles and CPU per
+operation, each side's median and B's median over A's, beside the raw round trip of
+each run (how far the machine drifted meanwhile).
 
 `--nats-rights open` (a diagnostic) runs the stack with every identity a user of
 one account without permissions, to show what the accounts, imports and allow
@@ -95,13 +102,14 @@ import math
 import os
 import pstats
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -1425,6 +1433,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--service-patches", type=_names, default=(),
                         help="experiments from bench/launcher.py PATCHES for the service, "
                         "e.g. loop-stalls=4,gc-pauses (diagnostics)")
+    parser.add_argument("--ab", type=_names, default=None,
+                        help="compare: each configuration runs without (A) and with (B)"
+                        " these service patches, interleaved A B B A ... for --pairs pairs,"
+                        " then a table of every run's figures, the medians and B/A")
+    parser.add_argument("--pairs", type=int, default=2,
+                        help="A/B pairs per configuration with --ab")
     parser.add_argument("--executor-patches", type=_names, default=(),
                         help="experiments for the executors, e.g. gc-pauses")
     parser.add_argument("--profile-top", type=int, default=25)
@@ -1477,12 +1491,76 @@ async def _main(args: argparse.Namespace, root: Path) -> None:
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
                             patches, args.executor_patches, storage, prefill,
                             budget, services, args.floor, rights)
-        reports.append(await run_config(settings, args, root))
-        print_report(reports[-1], args)
-        sys.stdout.flush()
+        if args.ab is None:
+            reports.append(await run_config(settings, args, root))
+            print_report(reports[-1], args)
+            sys.stdout.flush()
+            continue
+        sides: dict[str, list[ConfigReport]] = {"A": [], "B": []}
+        for side in ab_order(args.pairs):
+            chosen = patches if side == "A" else (*patches, *args.ab)
+            print(f"\n--- {side} ({len(sides[side]) + 1} of {args.pairs})")
+            sides[side].append(
+                await run_config(replace(settings, service_patches=chosen), args, root)
+            )
+            reports.append(sides[side][-1])
+            print_report(reports[-1], args)
+            sys.stdout.flush()
+        print_ab(sides["A"], sides["B"], args)
     print_summary(reports, args)
     if args.peer == "dbos":
         print_peer(reports, args)
+
+
+def ab_order(pairs: int) -> list[str]:
+    """A B, then B A, and so on: each side runs as often first as second, so a machine
+    that drifts during the runs favours neither."""
+    return [side for n in range(pairs) for side in (("A", "B") if n % 2 == 0 else ("B", "A"))]
+
+
+def print_ab(side_a: Sequence[ConfigReport], side_b: Sequence[ConfigReport],
+             args: argparse.Namespace) -> None:
+    """Each run's figures for A (without `--ab`'s patches) and B (with them), the median
+    of each side, and B's median over A's: what a change buys, read against the spread
+    of its own side and the raw round trip's drift between runs."""
+    def rows() -> Iterator[tuple[str, Callable[[ConfigReport], float | None]]]:
+        def ops(phase: str) -> Callable[[ConfigReport], float | None]:
+            return lambda r: r.phases[phase].ops_per_s if phase in r.phases else None
+
+        def pct(phase: str, q: float) -> Callable[[ConfigReport], float | None]:
+            return lambda r: r.phases[phase].p(q) if phase in r.phases else None
+
+        def cpu(phase: str, who: str | None) -> Callable[[ConfigReport], float | None]:
+            def read(r: ConfigReport) -> float | None:
+                found = r.phases.get(phase)
+                if found is None or not found.cpu_ms_per_op:
+                    return None
+                if who is None:
+                    return sum(v for k, v in found.cpu_ms_per_op.items() if k != "other")
+                return found.cpu_ms_per_op.get(who)
+            return read
+
+        yield "raw JetStream ops/s (the machine's drift)", ops("raw-jetstream throughput")
+        for mode in args.host_modes:
+            yield f"{mode} ops/s", ops(f"ledger/{mode} throughput")
+            for rate in args.rate:
+                phase = f"ledger/{mode} @{rate:g}/s"
+                yield f"{mode} p50 ms at {rate:g}/s", pct(phase, 50)
+                yield f"{mode} p99 ms at {rate:g}/s", pct(phase, 99)
+            for phase in (f"ledger/{mode} throughput", f"ledger/{mode} @{max(args.rate):g}/s"):
+                yield f"{mode} service CPU ms/op, {phase.split(' ', 1)[1]}", cpu(phase, "service")
+                yield f"{mode} all processes CPU ms/op, {phase.split(' ', 1)[1]}", cpu(phase, None)
+
+    print(f"\n=== A/B {side_a[0].settings.label if side_a else ''}: B adds"
+          f" {','.join(args.ab)}; runs in the order {' '.join(ab_order(args.pairs))}")
+    for label, read in rows():
+        a = [v for v in map(read, side_a) if v is not None]
+        b = [v for v in map(read, side_b) if v is not None]
+        if not a or not b:
+            continue
+        ratio = statistics.median(b) / statistics.median(a) if statistics.median(a) else math.nan
+        print(f"  {label:<46} A {' '.join(f'{v:8.2f}' for v in a)} | B"
+              f" {' '.join(f'{v:8.2f}' for v in b)} | median B/A {ratio:.3f}")
 
 
 def print_peer(reports: Sequence[ConfigReport], args: argparse.Namespace) -> None:
