@@ -61,7 +61,7 @@ PostgreSQL with the ratio of their best throughputs.
         [--service-patches loop-stalls=4,gc-pauses] [--executor-patches gc-pauses] \\
         [--storage sqlite,postgres] [--prefill 0,1000000] [--budget 0,100000000] \\
         [--peer dbos] [--floor] [--nats-rights production,open] \\
-        [--ab sqlite-normal --pairs 3]
+        [--ab sqlite-normal --pairs 3] [--ab lease-in-result --ab-executors lease-in-result]
 
 `--ab PATCHES` compares a change against the code as it is, in one run: each
 configuration runs without (A) and with (B) those service patches, A B B A ... for
@@ -1437,6 +1437,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compare: each configuration runs without (A) and with (B)"
                         " these service patches, interleaved A B B A ... for --pairs pairs,"
                         " then a table of every run's figures, the medians and B/A")
+    parser.add_argument("--ab-executors", type=_names, default=(),
+                        help="with --ab: these executor patches too, on the B side only"
+                        " (e.g. lease-in-result, which both sides of the stack need)")
     parser.add_argument("--pairs", type=int, default=2,
                         help="A/B pairs per configuration with --ab")
     parser.add_argument("--executor-patches", type=_names, default=(),
@@ -1498,11 +1501,17 @@ async def _main(args: argparse.Namespace, root: Path) -> None:
             continue
         sides: dict[str, list[ConfigReport]] = {"A": [], "B": []}
         for side in ab_order(args.pairs):
-            chosen = patches if side == "A" else (*patches, *args.ab)
-            print(f"\n--- {side} ({len(sides[side]) + 1} of {args.pairs})")
-            sides[side].append(
-                await run_config(replace(settings, service_patches=chosen), args, root)
+            b_side = side == "B"
+            chosen = replace(
+                settings,
+                service_patches=(*patches, *args.ab) if b_side else patches,
+                executor_patches=(
+                    (*args.executor_patches, *args.ab_executors) if b_side
+                    else args.executor_patches
+                ),
             )
+            print(f"\n--- {side} ({len(sides[side]) + 1} of {args.pairs})")
+            sides[side].append(await run_config(chosen, args, root))
             reports.append(sides[side][-1])
             print_report(reports[-1], args)
             sys.stdout.flush()
@@ -1551,8 +1560,10 @@ def print_ab(side_a: Sequence[ConfigReport], side_b: Sequence[ConfigReport],
                 yield f"{mode} service CPU ms/op, {phase.split(' ', 1)[1]}", cpu(phase, "service")
                 yield f"{mode} all processes CPU ms/op, {phase.split(' ', 1)[1]}", cpu(phase, None)
 
+    executors = f" (executors: {','.join(args.ab_executors)})" if args.ab_executors else ""
     print(f"\n=== A/B {side_a[0].settings.label if side_a else ''}: B adds"
-          f" {','.join(args.ab)}; runs in the order {' '.join(ab_order(args.pairs))}")
+          f" {','.join(args.ab)}{executors}; runs in the order"
+          f" {' '.join(ab_order(args.pairs))}")
     for label, read in rows():
         a = [v for v in map(read, side_a) if v is not None]
         b = [v for v in map(read, side_b) if v is not None]

@@ -90,22 +90,24 @@ def test_e2e_bench_ab_runs_both_sides_interleaved_and_prints_their_medians() -> 
     out = _bench(
         "e2e_bench.py", "--ops", "40", "--warmup", "10", "--rate", "200", "--duration", "1",
         "--storage", "sqlite", "--executors", "1", "--batch", "4", "--host-modes", "watch",
-        "--ab", "gc-pauses", "--pairs", "2",
+        "--ab", "gc-pauses", "--ab-executors", "gc-pauses", "--pairs", "2",
     )
     assert re.search(rf"target ledger/watch >= 1,500 ops/s: (met|MISSED) \({NUMBER}\); p99 <="
                      rf" 10 ms at 200/s: (met|MISSED) \({NUMBER} ms\); p50 <= 3x raw at 200/s",
                      out)
     assert re.findall(r"^--- ([AB]) ", out, re.MULTILINE) == ["A", "B", "B", "A"]
     table = out.split("=== A/B")[1].split("=== summary")[0]
-    assert "B adds gc-pauses; runs in the order A B B A" in table
+    assert "B adds gc-pauses (executors: gc-pauses); runs in the order A B B A" in table
     for row in ("raw JetStream ops/s", "watch ops/s", "watch p99 ms at 200/s",
                 "watch service CPU ms/op, throughput"):
         (line,) = [s for s in table.splitlines() if s.strip().startswith(row)]
         assert re.search(rf"A +{NUMBER} +{NUMBER} \| B +{NUMBER} +{NUMBER} \| median B/A"
                          rf" {NUMBER}", line), line
-    # B ran with the patch, A without.
+    # B ran with the patches (its service and its executors), A without.
     summary = out.split("=== summary")[-1]
-    assert sum("service-patches=gc-pauses" in s for s in summary.splitlines()) == 2
+    assert sum("service-patches=gc-pauses executor-patches=gc-pauses" in s
+               for s in summary.splitlines()) == 2
+    assert sum("gc-pauses" not in s for s in summary.splitlines() if "watch:" in s) == 2
 
 
 @pytest.mark.nats
