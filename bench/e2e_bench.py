@@ -109,7 +109,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -214,6 +214,11 @@ class PhaseResult:
     def p(self, q: float) -> float:
         """Latency percentile `q`, in milliseconds."""
         return percentile(sorted(self.latencies), q) * 1000
+
+    @property
+    def ours_cpu_ms_per_op(self) -> float:
+        """CPU milliseconds per operation of the stack's own processes (not "other")."""
+        return sum(v for k, v in self.cpu_ms_per_op.items() if k != "other" and not math.isnan(v))
 
 
 class Driver:
@@ -1260,6 +1265,11 @@ def _overloaded(phase: PhaseResult, rate: float) -> bool:
     return phase.failures > 0 or phase.ops_per_s < 0.95 * rate
 
 
+_TARGETS = {"sqlite": (1_500, 10.0), "postgres": (1_000, 15.0)}
+"""Issue 15's targets per storage: (least operations/s at throughput, greatest p99 ms at
+200/s). The ratio to DBOS (PostgreSQL, >= 4) is printed by the peer phase."""
+
+
 def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
     """One block per configuration: each phase, CPU per operation, then ledger/raw ratios."""
     print(f"\n=== {report.settings.label} (service log level {report.settings.service_log_level})")
@@ -1275,9 +1285,7 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
     for name, phase in report.phases.items():
         if phase.cpu_ms_per_op:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in phase.cpu_ms_per_op.items())
-            total = sum(v for k, v in phase.cpu_ms_per_op.items()
-                        if k != "other" and not math.isnan(v))
-            print(f"  CPU ms/op, {name}: {parts} (ours {total:.2f})")
+            print(f"  CPU ms/op, {name}: {parts} (ours {phase.ours_cpu_ms_per_op:.2f})")
         if phase.nats_per_op:
             counts = phase.nats_per_op.values()
             parts = ", ".join(f"{k} {i:.1f}/{o:.1f}/{kb:.1f}"
@@ -1343,11 +1351,6 @@ def print_report(report: ConfigReport, args: argparse.Namespace) -> None:
                     verdict = "met" if times <= 3 else "MISSED"
                     print(f"; p50 <= 3x raw at 200/s: {verdict} ({times:.1f}x)", end="")
             print()
-
-
-_TARGETS = {"sqlite": (1_500, 10.0), "postgres": (1_000, 15.0)}
-"""Issue 15's targets per storage: (least operations/s at throughput, greatest p99 ms at
-200/s). The ratio to DBOS (PostgreSQL, >= 4) is printed by the peer phase."""
 
 
 def print_summary(reports: Sequence[ConfigReport], args: argparse.Namespace) -> None:
@@ -1494,28 +1497,22 @@ async def _main(args: argparse.Namespace, root: Path) -> None:
         settings = Settings(executors, batch, args.tool, args.service_log_level, args.profile,
                             patches, args.executor_patches, storage, prefill,
                             budget, services, args.floor, rights)
-        if args.ab is None:
-            reports.append(await run_config(settings, args, root))
-            print_report(reports[-1], args)
-            sys.stdout.flush()
-            continue
+        # With --ab, B is the same stack with the patches added.
+        variants = {"A": settings, "B": replace(
+            settings,
+            service_patches=(*patches, *(args.ab or ())),
+            executor_patches=(*args.executor_patches, *args.ab_executors),
+        )}
         sides: dict[str, list[ConfigReport]] = {"A": [], "B": []}
-        for side in ab_order(args.pairs):
-            b_side = side == "B"
-            chosen = replace(
-                settings,
-                service_patches=(*patches, *args.ab) if b_side else patches,
-                executor_patches=(
-                    (*args.executor_patches, *args.ab_executors) if b_side
-                    else args.executor_patches
-                ),
-            )
-            print(f"\n--- {side} ({len(sides[side]) + 1} of {args.pairs})")
-            sides[side].append(await run_config(chosen, args, root))
+        for side in ["A"] if args.ab is None else ab_order(args.pairs):
+            if args.ab is not None:
+                print(f"\n--- {side} ({len(sides[side]) + 1} of {args.pairs})")
+            sides[side].append(await run_config(variants[side], args, root))
             reports.append(sides[side][-1])
             print_report(reports[-1], args)
             sys.stdout.flush()
-        print_ab(sides["A"], sides["B"], args)
+        if args.ab is not None:
+            print_ab(sides["A"], sides["B"], args)
     print_summary(reports, args)
     if args.peer == "dbos":
         print_peer(reports, args)
@@ -1527,49 +1524,48 @@ def ab_order(pairs: int) -> list[str]:
     return [side for n in range(pairs) for side in (("A", "B") if n % 2 == 0 else ("B", "A"))]
 
 
+def _ab_figures(report: ConfigReport, args: argparse.Namespace) -> dict[str, float]:
+    """The figures of one run that an A/B table compares, by label, in table order."""
+    figures: dict[str, float] = {}
+    phases = report.phases
+    if "raw-jetstream throughput" in phases:
+        figures["raw JetStream ops/s (the machine's drift)"] = (
+            phases["raw-jetstream throughput"].ops_per_s
+        )
+    for mode in args.host_modes:
+        if (tp := phases.get(f"ledger/{mode} throughput")) is not None:
+            figures[f"{mode} ops/s"] = tp.ops_per_s
+        for rate in args.rate:
+            if (at_rate := phases.get(f"ledger/{mode} @{rate:g}/s")) is not None:
+                figures[f"{mode} p50 ms at {rate:g}/s"] = at_rate.p(50)
+                figures[f"{mode} p99 ms at {rate:g}/s"] = at_rate.p(99)
+        for when in ("throughput", f"@{max(args.rate):g}/s"):
+            phase = phases.get(f"ledger/{mode} {when}")
+            if phase is None or not phase.cpu_ms_per_op:
+                continue
+            if "service" in phase.cpu_ms_per_op:
+                figures[f"{mode} service CPU ms/op, {when}"] = phase.cpu_ms_per_op["service"]
+            figures[f"{mode} all processes CPU ms/op, {when}"] = phase.ours_cpu_ms_per_op
+    return figures
+
+
 def print_ab(side_a: Sequence[ConfigReport], side_b: Sequence[ConfigReport],
              args: argparse.Namespace) -> None:
     """Each run's figures for A (without `--ab`'s patches) and B (with them), the median
     of each side, and B's median over A's: what a change buys, read against the spread
     of its own side and the raw round trip's drift between runs."""
-    def rows() -> Iterator[tuple[str, Callable[[ConfigReport], float | None]]]:
-        def ops(phase: str) -> Callable[[ConfigReport], float | None]:
-            return lambda r: r.phases[phase].ops_per_s if phase in r.phases else None
-
-        def pct(phase: str, q: float) -> Callable[[ConfigReport], float | None]:
-            return lambda r: r.phases[phase].p(q) if phase in r.phases else None
-
-        def cpu(phase: str, who: str | None) -> Callable[[ConfigReport], float | None]:
-            def read(r: ConfigReport) -> float | None:
-                found = r.phases.get(phase)
-                if found is None or not found.cpu_ms_per_op:
-                    return None
-                if who is None:
-                    return sum(v for k, v in found.cpu_ms_per_op.items() if k != "other")
-                return found.cpu_ms_per_op.get(who)
-            return read
-
-        yield "raw JetStream ops/s (the machine's drift)", ops("raw-jetstream throughput")
-        for mode in args.host_modes:
-            yield f"{mode} ops/s", ops(f"ledger/{mode} throughput")
-            for rate in args.rate:
-                phase = f"ledger/{mode} @{rate:g}/s"
-                yield f"{mode} p50 ms at {rate:g}/s", pct(phase, 50)
-                yield f"{mode} p99 ms at {rate:g}/s", pct(phase, 99)
-            for phase in (f"ledger/{mode} throughput", f"ledger/{mode} @{max(args.rate):g}/s"):
-                yield f"{mode} service CPU ms/op, {phase.split(' ', 1)[1]}", cpu(phase, "service")
-                yield f"{mode} all processes CPU ms/op, {phase.split(' ', 1)[1]}", cpu(phase, None)
-
     executors = f" (executors: {','.join(args.ab_executors)})" if args.ab_executors else ""
-    print(f"\n=== A/B {side_a[0].settings.label if side_a else ''}: B adds"
-          f" {','.join(args.ab)}{executors}; runs in the order"
-          f" {' '.join(ab_order(args.pairs))}")
-    for label, read in rows():
-        a = [v for v in map(read, side_a) if v is not None]
-        b = [v for v in map(read, side_b) if v is not None]
-        if not a or not b:
+    print(f"\n=== A/B {side_a[0].settings.label}: B adds {','.join(args.ab)}{executors};"
+          f" runs in the order {' '.join(ab_order(args.pairs))}")
+    runs_a = [_ab_figures(report, args) for report in side_a]
+    runs_b = [_ab_figures(report, args) for report in side_b]
+    for label in runs_a[0]:
+        a = [run[label] for run in runs_a if label in run]
+        b = [run[label] for run in runs_b if label in run]
+        if not b:
             continue
-        ratio = statistics.median(b) / statistics.median(a) if statistics.median(a) else math.nan
+        median_a = statistics.median(a)
+        ratio = statistics.median(b) / median_a if median_a else math.nan
         print(f"  {label:<46} A {' '.join(f'{v:8.2f}' for v in a)} | B"
               f" {' '.join(f'{v:8.2f}' for v in b)} | median B/A {ratio:.3f}")
 
@@ -1616,6 +1612,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if any(storage not in ("sqlite", "postgres") for storage in args.storage):
         print("error: --storage takes sqlite and/or postgres", file=sys.stderr)
+        return 2
+    if args.pairs < 1 or (args.ab_executors and args.ab is None):
+        print("error: --pairs takes 1 or more, and --ab-executors goes with --ab",
+              file=sys.stderr)
         return 2
     rates = ", ".join(f"{rate:g}" for rate in args.rate)
     print(f"e2e bench: {args.ops} ops x {args.concurrency} in flight; {rates} ops/s for "
