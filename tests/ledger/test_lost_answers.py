@@ -149,13 +149,12 @@ def test_an_append_cut_while_it_waits_for_the_lock_and_committed_later_is_kept(
             time.sleep(0.5)  # the library tries again, and queues for the lock behind it
         answered = answer.result(timeout=60)
     if event == "Proposed":
-        submission = answered
-        assert isinstance(submission, Submission) and submission.state is S.READY
+        assert isinstance(answered, Submission) and answered.state is S.READY
         assert event_types(ledger, "op-lost") == ["Proposed", "Validated", "Readied"]
         assert ledger.submit(search("op-third"), ALICE).state is S.REJECTED
     else:
-        grant = answered
-        assert isinstance(grant, LeaseReply) and grant.decision is LeaseDecision.EXECUTE, grant
+        assert isinstance(answered, LeaseReply)
+        assert answered.decision is LeaseDecision.EXECUTE, answered
         assert event_types(ledger, "op-first").count("LeaseClaimed") == 1
 
 

@@ -141,7 +141,7 @@ def append_then_raise(line: str, code: int, ctx: Context) -> Appended:
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
 async def hang(seconds: float) -> Done:
     """Hold the server's event loop for `seconds` (a server that hangs): nothing else,
-    not even a ping, is answered meanwhile."""
+    not even `tools/list`, is answered meanwhile."""
     time.sleep(seconds)
     return {"ok": True}
 

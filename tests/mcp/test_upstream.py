@@ -121,8 +121,9 @@ async def test_an_error_a_tool_raises_after_its_effect_is_an_unknown_outcome(
 
 
 async def test_a_hung_server_is_started_anew_for_the_next_call(tmp_path: Path) -> None:
-    """A stdio server whose loop hangs answers nothing, not even a ping: the session is
-    dropped (and the server with it), and the next call gets a fresh one at once."""
+    """A stdio server whose loop hangs answers nothing, not even `tools/list`: the
+    session is dropped (and the server with it), and the next call gets a fresh one at
+    once."""
     upstream = McpUpstream(
         command=(sys.executable, "-m", "tests.mcp.sample_server"),
         env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
