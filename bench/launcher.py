@@ -432,7 +432,24 @@ def _any_reply(_value: str) -> None:
     setattr(requests, "reply_allowed", reply_allowed)  # noqa: B010 (not exported there)
 
 
+def _no_feed(_value: str) -> None:
+    """Service: publish no feed event (a ceiling: what the feed costs every process).
+
+    **Breaks the product, for measurement only**: the feed is the auditors' and the
+    dashboards' record on NATS. Work items and outcome notices go out as before.
+    """
+    from ledger.server.relay.publisher import RelayPublisher
+
+    original = RelayPublisher.publish
+
+    async def publish(self: Any, messages: list[Any]) -> Any:
+        return await original(self, [message for message in messages if not message.feed])
+
+    RelayPublisher.publish = publish  # type: ignore[method-assign]
+
+
 PATCHES: dict[str, Callable[[str], None]] = {
+    "no-feed": _no_feed,
     "loop-stalls": _loop_stalls,
     "gc-pauses": _gc_pauses,
     "switch-interval": _switch_interval,
