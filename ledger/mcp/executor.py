@@ -44,6 +44,7 @@ from executors import (
     ToolError,
 )
 from ledger.mcp._errors import McpConfigError, UpstreamUnavailable
+from ledger.mcp._transport import WatchedTransport, as_transport
 from policy import ToolContract
 from schemas import ErrorCategory
 
@@ -133,7 +134,9 @@ class _Connection:
     The SDK's client is an async context (its task group must be entered and left
     by one task), while the runner calls the tool from many: the owner task holds
     the context open and the calls share the session. A broken session is
-    dropped and the next call opens a new one.
+    dropped and the next call opens a new one; so is a session whose server's
+    side ended while no call was on it (`WatchedTransport`), before a call is
+    sent on it.
     """
 
     def __init__(self, upstream: McpUpstream) -> None:
@@ -141,17 +144,25 @@ class _Connection:
         self._client: Client | None = None
         self._stop: asyncio.Event | None = None
         self._owner: asyncio.Task[None] | None = None
+        self._transport: WatchedTransport | None = None
         self._lock = asyncio.Lock()
 
     async def client(self, secrets: Mapping[str, str], timeout_s: float) -> Client:
         """The open session, or a new one within `timeout_s` (`UpstreamUnavailable`)."""
         async with self._lock:
             if self._client is not None and self._owner is not None and not self._owner.done():
-                return self._client
+                if self._transport is None or not self._transport.ended:
+                    return self._client
+                # The server's side ended (a stdio server exited while idle): nothing
+                # was sent on this session, so a new one may take the call.
+                await self.drop()
             loop = asyncio.get_running_loop()
             ready: asyncio.Future[Client] = loop.create_future()
             stop = self._stop = asyncio.Event()
-            server = self._upstream.client_target(secrets)
+            server = self._transport = WatchedTransport(
+                as_transport(self._upstream.client_target(secrets)),
+                on_end=lambda: self._ended(stop),
+            )
             owner = self._owner = asyncio.create_task(self._own(server, ready, stop))
             try:
                 client = await asyncio.wait_for(ready, timeout=timeout_s)
@@ -190,6 +201,13 @@ class _Connection:
         finally:
             if asyncio.current_task() is self._owner:
                 self._client = None
+
+    def _ended(self, stop: asyncio.Event) -> None:
+        """The session's read side ended: its owner closes it (and a server it started)."""
+        if not stop.is_set():
+            _log.warning("the MCP session to %s ended; the next call opens a new one",
+                         self._upstream.describe())
+            stop.set()
 
     async def drop(self) -> None:
         """Close the session (the next call opens a new one)."""

@@ -3,9 +3,10 @@
     python -m tests.mcp.sample_server [--http PORT]
 
 Every side effect is one JSON line in the file `$SAMPLE_MCP_EFFECTS` (with the
-idempotency key the caller sent in `_meta`, if any), so a test counts what the
-server really did. `write_note` *claims* to be read-only (`readOnlyHint: true`):
-it is the server that lies, and its contract must hold anyway.
+idempotency key the caller sent in `_meta`, if any, and the server's process ID), so
+a test counts what the server really did, and which server process did it.
+`write_note` *claims* to be read-only (`readOnlyHint: true`): it is the server that
+lies, and its contract must hold anyway.
 
 `lookup_call` is the lookup an executor's `--lookup-tool` asks after a lost answer:
 by idempotency key, `applied` with what the call returned, `unknown` while a call
@@ -58,7 +59,7 @@ def _record(
 ) -> int:
     meta = ctx.request_context.meta or {}
     line = {"tool": tool, "arguments": arguments, "key": meta.get("io.opledger/operationId"),
-            "result": result}
+            "result": result, "pid": os.getpid()}
     with _effects().open("a", encoding="utf-8") as file:
         file.write(json.dumps(line) + "\n")
     return len(effects())

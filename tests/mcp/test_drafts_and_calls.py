@@ -35,7 +35,7 @@ from ledger.mcp import (
 from ledger.mcp.importer import write_drafts
 from policy import ContractError, ContractRegistry, parse_contract
 from schemas import RuntimeContext
-from tests.mcp.conftest import CONTRACTS, ROOT
+from tests.mcp.conftest import CONTRACTS, ROOT, alive
 
 
 def _import(out: Path, *tools: str) -> list[Path]:
@@ -256,17 +256,9 @@ async def test_a_server_that_never_answers_is_unavailable_and_does_not_linger(
     assert failed.value.retryable and not failed.value.outcome_unknown
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+    assert not alive(pid)
 
 
 def test_two_tools_that_would_be_one_contract_are_refused_and_nothing_is_written(

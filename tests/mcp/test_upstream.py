@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolEr
 from ledger.mcp import McpConfigError
 from ledger.mcp.executor import McpUpstream, mcp_tool
 from tests.executors.helpers import context
-from tests.mcp.conftest import _stop, start_sample_http_server
+from tests.mcp.conftest import _stop, alive, start_sample_http_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -141,6 +143,42 @@ async def test_a_hung_server_is_started_anew_for_the_next_call(tmp_path: Path) -
     started = time.monotonic()
     assert await _run(tool, {"seconds": 0}, attempt("op-next", 20)) == {"ok": True}
     assert time.monotonic() - started < 15  # a new server, not the hung one after 60 s
+
+
+async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_call(
+    tmp_path: Path,
+) -> None:
+    """The attack: the server process is killed between two calls. The session's end
+    is seen as it happens, so the next call goes to a new server, once, and is no
+    unknown outcome: the call was never sent, and a person would have been asked to
+    settle it. (Before the transport was watched, that call failed with
+    `UPSTREAM_NO_ANSWER`, outcome unknown, and nothing recorded by any server.)"""
+    effects = tmp_path / "effects.jsonl"
+    upstream = McpUpstream(
+        command=(sys.executable, "-m", "tests.mcp.sample_server"),
+        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
+    )
+    tool = mcp_tool("append_log", upstream)
+
+    def attempt(key: str) -> ToolContext:
+        return context(key, secrets={"sample_effects": str(effects)}, seconds=20)
+
+    first = await _run(tool, {"line": "before", "delay_ms": 0}, attempt("op-before"))
+    assert first == {"line": "before", "count": 1}
+    [before] = _sent(effects, "op-before")
+    old_pid = before["pid"]
+    assert isinstance(old_pid, int)
+    os.kill(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(old_pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not alive(old_pid)
+    await asyncio.sleep(0.5)  # the executor idles: its loop reads the pipe's end meanwhile
+
+    after = await _run(tool, {"line": "after", "delay_ms": 0}, attempt("op-after"))
+    assert after == {"line": "after", "count": 2}
+    [sent] = _sent(effects, "op-after")  # once, by a new server
+    assert sent["pid"] != old_pid
 
 
 async def test_the_lookup_is_not_sent_under_the_operations_key(
