@@ -44,6 +44,7 @@ from executors import (
     ToolError,
 )
 from ledger.mcp._errors import McpConfigError, UpstreamUnavailable
+from ledger.mcp._sends import SendLog, SendLoggingClient
 from ledger.mcp._transport import WatchedTransport, as_transport
 from policy import ToolContract
 from schemas import ErrorCategory
@@ -101,8 +102,9 @@ class McpUpstream:
                 netloc = f"{netloc}:{parts.port}"
         return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
-    def client_target(self, secrets: Mapping[str, str]) -> Any:
-        """What `mcp.Client` connects to, with the credentials from `secrets`."""
+    def client_target(self, secrets: Mapping[str, str], *, sends: SendLog | None = None) -> Any:
+        """What `mcp.Client` connects to, with the credentials from `secrets` (over HTTP,
+        its requests counted in `sends`, if given)."""
         if self.url is not None:
             headers: dict[str, str] = {}
             if self.bearer_secret is not None:
@@ -111,7 +113,9 @@ class McpUpstream:
 
             # The SDK's own defaults: 30 s to connect or write, 300 s to read (a server
             # may hold a stream open); the call's deadline is enforced per request.
-            http = httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30.0, read=300.0))
+            timeout = httpx2.Timeout(30.0, read=300.0)
+            http = (httpx2.AsyncClient(headers=headers, timeout=timeout) if sends is None
+                    else SendLoggingClient(headers=headers, timeout=timeout, sends=sends))
             return streamable_http_client(self.url, http_client=http)
         # The child inherits this process's environment but none of its secrets nor of
         # its opledger settings (a database DSN, where the seeds are), and gets exactly
@@ -146,6 +150,13 @@ class _Connection:
         self._owner: asyncio.Task[None] | None = None
         self._transport: WatchedTransport | None = None
         self._lock = asyncio.Lock()
+        self.sends = SendLog(OPERATION_ID_META) if upstream.url is not None else None
+        """Over HTTP: which keyed calls' requests may have reached the server (`SendLog`)."""
+
+    @property
+    def owner(self) -> asyncio.Task[None] | None:
+        """The task holding the session `client` last handed out (its end is the session's)."""
+        return self._owner
 
     async def client(self, secrets: Mapping[str, str], timeout_s: float) -> Client:
         """The open session, or a new one within `timeout_s` (`UpstreamUnavailable`)."""
@@ -160,7 +171,7 @@ class _Connection:
             ready: asyncio.Future[Client] = loop.create_future()
             stop = self._stop = asyncio.Event()
             server = self._transport = WatchedTransport(
-                as_transport(self._upstream.client_target(secrets)),
+                as_transport(self._upstream.client_target(secrets, sends=self.sends)),
                 on_end=lambda: self._ended(stop),
             )
             owner = self._owner = asyncio.create_task(self._own(server, ready, stop))
@@ -205,12 +216,19 @@ class _Connection:
     def _ended(self, stop: asyncio.Event) -> None:
         """The session's read side ended: its owner closes it (and a server it started)."""
         if not stop.is_set():
-            _log.warning("the MCP session to %s ended; the next call opens a new one",
-                         self._upstream.describe())
+            if self._client is not None:  # not a handshake that failed: that is logged there
+                _log.warning("the MCP session to %s ended; the next call opens a new one",
+                             self._upstream.describe())
             stop.set()
 
-    async def drop(self) -> None:
-        """Close the session (the next call opens a new one)."""
+    async def drop(self, session: asyncio.Task[None] | None = None) -> None:
+        """Close the session held by `session` (default: the current one) and wait until
+        it has ended; the next call opens a new one."""
+        if session is not None and session is not self._owner:
+            # Replaced already: whoever replaced it stopped it; the current session,
+            # another call's, is not this one to close.
+            await asyncio.wait({session}, timeout=5)
+            return
         owner, stop = self._owner, self._stop
         self._client = None
         if stop is not None:
@@ -312,6 +330,7 @@ def mcp_tool(
         client = await connection.client(
             context.secrets, max(context.seconds_left() - _CONNECT_MARGIN_S, 0.01)
         )
+        session = connection.owner  # no await since `client`: the session just handed out
         timeout = max(context.seconds_left(), 0.05)
         meta: types.RequestParamsMeta | None = None
         if keyed:
@@ -319,31 +338,42 @@ def mcp_tool(
             meta = types.RequestParamsMeta()
             meta[OPERATION_ID_META] = key  # type: ignore[literal-required]
             meta["idempotencyKey"] = key  # type: ignore[typeddict-unknown-key]
-        try:
-            return await client.call_tool(
-                tool_name,
-                dict(arguments),
-                read_timeout_seconds=timeout,
-                meta=meta,
-            )
-        except MCPError as error:
-            # No JSON-RPC error proves the tool did not run: a running tool may raise any
-            # code after its effect (the SDK passes a handler's error through, and raises
-            # `INVALID_REQUEST` itself when a tool asks its client something over a
-            # transport that cannot carry it), and the client makes up `INVALID_REQUEST`
-            # and `PARSE_ERROR` from a response it cannot read. With the SDK's own read
-            # timeout (`REQUEST_TIMEOUT`) and a closed connection, all are: sent, and no
-            # answer. (A tool's own failure is an `isError` result, below.)
-            no_answer: BaseException = error
-            # A timeout or an error the server sent leaves the session open for the calls
-            # in flight beside this one, unless it no longer answers at all (a hung
-            # server, an expired session): then it goes, and the next call opens anew.
-            session_lost = error.code in _SESSION_LOST or not await _still_answers(client)
-        except (TimeoutError, anyio.ClosedResourceError, anyio.BrokenResourceError,
-                httpx2.HTTPError, OSError) as error:
-            no_answer, session_lost = error, True
-        if session_lost:
-            await connection.drop()
+        sends = connection.sends if keyed else None
+        with sends.call(key) if sends is not None else contextlib.nullcontext() as reached:
+            try:
+                return await client.call_tool(
+                    tool_name,
+                    dict(arguments),
+                    read_timeout_seconds=timeout,
+                    meta=meta,
+                )
+            except MCPError as error:
+                # No JSON-RPC error proves the tool did not run: a running tool may raise
+                # any code after its effect (the SDK passes a handler's error through, and
+                # raises `INVALID_REQUEST` itself when a tool asks its client something
+                # over a transport that cannot carry it), and the client makes up
+                # `INVALID_REQUEST` and `PARSE_ERROR` from a response it cannot read. With
+                # the SDK's own read timeout (`REQUEST_TIMEOUT`) and a closed connection,
+                # all are: sent, and no answer. (A tool's own failure is an `isError`
+                # result, below.)
+                no_answer: BaseException = error
+                # A timeout or an error the server sent leaves the session open for the
+                # calls in flight beside this one, unless it no longer answers at all (a
+                # hung server, an expired session): then it goes, and the next call opens
+                # anew.
+                session_lost = error.code in _SESSION_LOST or not await _still_answers(client)
+            except (TimeoutError, anyio.ClosedResourceError, anyio.BrokenResourceError,
+                    httpx2.HTTPError, OSError) as error:
+                no_answer, session_lost = error, True
+            if session_lost:
+                await connection.drop(session)
+                # With the session gone (its owner ended), no request of this call can
+                # start any more: if none of them got a connection, nothing was sent.
+                if (reached is not None and session is not None and session.done()
+                        and not reached()):
+                    raise UpstreamUnavailable(
+                        "the MCP server could not be reached", upstream=upstream.describe()
+                    )
         # Sent, but no answer: it may have happened.
         raise ToolError(
             ErrorCategory.TRANSIENT, "UPSTREAM_NO_ANSWER",

@@ -181,6 +181,87 @@ async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_ca
     assert sent["pid"] != old_pid
 
 
+async def test_a_call_to_an_http_server_that_is_down_is_unavailable_not_unknown(
+    tmp_path: Path,
+) -> None:
+    """The server stops between two calls (a restart): the second call's request gets no
+    connection, so it was not sent, and it is retryable, not an unknown outcome that a
+    lookup or a person would have to settle. (Before the requests were counted, the SDK's
+    closed session made it `UPSTREAM_NO_ANSWER`, outcome unknown.)"""
+    effects = tmp_path / "effects.jsonl"
+    server, url = start_sample_http_server(tmp_path, effects)
+    tool = mcp_tool("append_log", McpUpstream(url=url))
+    try:
+        first = await _run(tool, {"line": "up", "delay_ms": 0}, context("op-up", seconds=20))
+        assert first == {"line": "up", "count": 1}
+    finally:
+        _stop(server)
+    with pytest.raises(ToolError) as down:
+        await _run(tool, {"line": "down", "delay_ms": 0}, context("op-down", seconds=20))
+    assert down.value.code == "UPSTREAM_UNAVAILABLE"
+    assert down.value.retryable and not down.value.outcome_unknown
+    assert _sent(effects, "op-down") == []
+
+
+async def test_a_call_whose_http_server_dies_while_it_runs_stays_unknown(
+    tmp_path: Path,
+) -> None:
+    """The other side of the same line: the request got its connection and the server
+    started the call, then died before answering. It may have had its effect (here it
+    had not yet: the sample server sleeps first), and nothing proves otherwise: unknown."""
+    effects = tmp_path / "effects.jsonl"
+    server, url = start_sample_http_server(tmp_path, effects)
+    tool = mcp_tool("append_log", McpUpstream(url=url))
+    started = effects.with_name(effects.name + ".started")
+    try:
+        await _run(tool, {"line": "warm", "delay_ms": 0}, context("op-warm", seconds=20))
+        call = asyncio.ensure_future(
+            _run(tool, {"line": "slow", "delay_ms": 5000}, context("op-slow", seconds=20))
+        )
+        deadline = time.monotonic() + 10
+        while "op-slow" not in (started.read_text() if started.exists() else ""):
+            assert time.monotonic() < deadline and not call.done()
+            await asyncio.sleep(0.05)
+        server.kill()
+        server.wait(timeout=10)
+        with pytest.raises(ToolError) as lost:
+            await call
+    finally:
+        _stop(server)
+    assert lost.value.code == "UPSTREAM_NO_ANSWER" and lost.value.outcome_unknown
+
+
+async def test_a_call_whose_stdio_server_dies_while_it_runs_stays_unknown(
+    tmp_path: Path,
+) -> None:
+    """Over stdio nothing counts requests (no HTTP client carries them), so a call whose
+    server dies under it stays unknown, whatever the session's end looks like."""
+    effects = tmp_path / "effects.jsonl"
+    upstream = McpUpstream(
+        command=(sys.executable, "-m", "tests.mcp.sample_server"),
+        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
+    )
+    tool = mcp_tool("append_log", upstream)
+
+    def attempt(key: str) -> ToolContext:
+        return context(key, secrets={"sample_effects": str(effects)}, seconds=20)
+
+    await _run(tool, {"line": "warm", "delay_ms": 0}, attempt("op-warm"))
+    [warm] = _sent(effects, "op-warm")
+    pid = warm["pid"]
+    assert isinstance(pid, int)
+    started = effects.with_name(effects.name + ".started")
+    call = asyncio.ensure_future(_run(tool, {"line": "slow", "delay_ms": 5000}, attempt("op-slow")))
+    deadline = time.monotonic() + 10
+    while "op-slow" not in (started.read_text() if started.exists() else ""):
+        assert time.monotonic() < deadline and not call.done()
+        await asyncio.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ToolError) as lost:
+        await call
+    assert lost.value.code == "UPSTREAM_NO_ANSWER" and lost.value.outcome_unknown
+
+
 async def test_the_lookup_is_not_sent_under_the_operations_key(
     upstream: tuple[str, Path],
 ) -> None:

@@ -1,0 +1,130 @@
+"""Which calls to an MCP server over HTTP certainly never left this process.
+
+A call whose session dies before an answer is an unknown outcome: it may have run.
+Over Streamable HTTP one case is certain, though: a call whose request never got a
+connection (refused, or not opened in time) sent no byte, and an HTTP MCP server
+that is down for a restart makes every call in that window such a call. Calling
+them unknown outcomes would hand each to a lookup or a person; they are retryable
+instead, as a server that cannot be reached at connect time is.
+
+The SDK does not say which: a connection error inside its transport ends the whole
+session and reaches the caller as a closed connection, like an answer lost after
+the request went out. So the HTTP client under the SDK counts, per idempotency key
+(the operation ID every keyed call carries in `_meta`), the requests it was given
+and those that failed before a connection was open. The count is read only after
+the session is gone, so that no request of the call can still start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx2
+import orjson
+
+__all__ = ["SendLog", "SendLoggingClient"]
+
+_NOT_CONNECTED = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
+"""Raised before a connection was open for the request: not one byte of it was sent."""
+
+
+class _Count:
+    """One call's requests: how many were handed to the client, how many never connected."""
+
+    __slots__ = ("given", "not_connected")
+
+    def __init__(self) -> None:
+        self.given = 0
+        self.not_connected = 0
+
+
+class SendLog:
+    """Counts, per idempotency key, the requests that carried it (module doc)."""
+
+    def __init__(self, key_field: str) -> None:
+        self._key_field = key_field
+        self._counts: dict[str, list[_Count]] = {}
+        self._unreadable = 0
+
+    @contextmanager
+    def call(self, key: str) -> Iterator[Callable[[], bool]]:
+        """While a call with `key` runs: a function telling whether any of its requests
+        may have reached the server (counted from here; every request carrying the key
+        counts, whichever call made it, and so does any request whose body could not be
+        read)."""
+        count = _Count()
+        self._counts.setdefault(key, []).append(count)
+        unreadable = self._unreadable
+
+        def may_have_reached() -> bool:
+            return self._unreadable != unreadable or count.given != count.not_connected
+
+        try:
+            yield may_have_reached
+        finally:
+            counts = self._counts[key]
+            counts.remove(count)
+            if not counts:
+                del self._counts[key]
+
+    def given(self, request: httpx2.Request) -> list[_Count]:
+        """A request is about to be sent: the calls it counts for."""
+        if request.method != "POST":
+            return []  # calls go by POST; a GET stream or a DELETE carries none
+        keys = self._keys(request)
+        if keys is None:
+            self._unreadable += 1
+            return []
+        counts = [count for key in keys for count in self._counts.get(key, ())]
+        for count in counts:
+            count.given += 1
+        return counts
+
+    @staticmethod
+    def not_connected(counts: list[_Count]) -> None:
+        """The request of `counts` failed before a connection was open."""
+        for count in counts:
+            count.not_connected += 1
+
+    def _keys(self, request: httpx2.Request) -> list[str] | None:
+        """The idempotency keys in a JSON-RPC body (one message or a batch); None if the
+        body cannot be read as one."""
+        try:
+            body = orjson.loads(request.content)
+        except (httpx2.RequestNotRead, orjson.JSONDecodeError):
+            return None
+        messages = body if isinstance(body, list) else [body]
+        keys = []
+        for message in messages:
+            if not isinstance(message, dict):
+                return None
+            params = message.get("params")
+            meta = params.get("_meta") if isinstance(params, dict) else None
+            key = meta.get(self._key_field) if isinstance(meta, dict) else None
+            if isinstance(key, str):
+                keys.append(key)
+        return keys
+
+
+class SendLoggingClient(httpx2.AsyncClient):
+    """The SDK's HTTP client, counting each request in a `SendLog`.
+
+    `send` is where every request of the SDK goes, one at a time (it follows
+    redirects itself); a subclass rather than a transport of our own, because a
+    client given a transport no longer honours the environment's proxy settings.
+    """
+
+    def __init__(self, *args: Any, sends: SendLog, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sends = sends
+
+    async def send(self, request: httpx2.Request, **kwargs: Any) -> httpx2.Response:
+        """Send `request`, counting it (and whether it never got a connection)."""
+        counts = self._sends.given(request)
+        try:
+            return await super().send(request, **kwargs)
+        except _NOT_CONNECTED:
+            SendLog.not_connected(counts)
+            raise

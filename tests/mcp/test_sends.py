@@ -1,0 +1,106 @@
+"""`SendLog`: when a call over HTTP certainly never left (ledger/mcp/_sends.py).
+
+Only "no request carrying the key got a connection" may say *not sent*; everything
+else, including what the log cannot read, must say *may have reached*.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import httpx2
+import orjson
+import pytest
+
+from ledger.mcp._sends import SendLog, SendLoggingClient
+
+KEY_FIELD = "io.opledger/operationId"
+
+
+def _post(*keys: str | None, batch: bool = False, body: bytes | None = None) -> httpx2.Request:
+    messages: list[dict[str, Any]] = [
+        {"jsonrpc": "2.0", "id": index, "method": "tools/call",
+         "params": {"name": "t", "arguments": {}, **({"_meta": {KEY_FIELD: key}} if key else {})}}
+        for index, key in enumerate(keys)
+    ]
+    content = body if body is not None else orjson.dumps(messages if batch else messages[0])
+    return httpx2.Request("POST", "http://upstream.example/mcp", content=content)
+
+
+def test_a_call_none_of_whose_requests_connected_never_reached() -> None:
+    log = SendLog(KEY_FIELD)
+    with log.call("op-1") as reached:
+        assert not reached()  # nothing given yet
+        counts = log.given(_post("op-1"))
+        assert reached()  # given: it may be on its way
+        SendLog.not_connected(counts)
+        assert not reached()
+        log.given(_post("op-1"))  # tried again, and this one connected
+        assert reached()
+
+
+def test_requests_of_other_keys_and_without_a_body_to_read_count_as_they_must() -> None:
+    log = SendLog(KEY_FIELD)
+    with log.call("op-1") as reached:
+        log.given(_post("op-2"))
+        log.given(_post(None))
+        log.given(httpx2.Request("GET", "http://upstream.example/mcp"))
+        log.given(httpx2.Request("DELETE", "http://upstream.example/mcp"))
+        assert not reached()
+        # A POST the log cannot read might be this call's: it may have reached.
+        log.given(_post(body=b"not json"))
+        assert reached()
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"text"', b"{"])
+def test_a_body_that_is_no_json_rpc_message_may_be_any_call(body: bytes) -> None:
+    log = SendLog(KEY_FIELD)
+    with log.call("op-1") as reached:
+        log.given(_post(body=body))
+        assert reached()
+
+
+def test_a_batch_counts_for_every_key_in_it() -> None:
+    log = SendLog(KEY_FIELD)
+    with log.call("op-1") as first, log.call("op-2") as second:
+        log.given(_post("op-2", "op-1", batch=True))
+        assert first() and second()
+
+
+def test_two_calls_with_one_key_each_see_the_other_calls_requests() -> None:
+    """The same key twice at once (no attempt should, but a replay could): a request
+    of either may be the other's, so both count it."""
+    log = SendLog(KEY_FIELD)
+    with log.call("op-1") as first:
+        with log.call("op-1") as second:
+            log.given(_post("op-1"))
+            assert first() and second()
+        assert first()
+    with log.call("op-1") as again:  # a later call starts from nothing
+        assert not again()
+
+
+@pytest.mark.anyio
+async def test_the_client_counts_a_refused_connection_as_not_connected() -> None:
+    """A real refused connection through the client the executor uses (a port where
+    nothing listens), and a request that did connect (an in-process server)."""
+    log = SendLog(KEY_FIELD)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again below: nothing listens there
+    refused = _post("op-1")
+    refused.url = httpx2.URL(f"http://127.0.0.1:{port}/mcp")
+    async with SendLoggingClient(sends=log) as client:
+        with log.call("op-1") as reached:
+            with pytest.raises(httpx2.ConnectError):
+                await client.send(refused)
+            assert not reached()
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, json={"jsonrpc": "2.0", "id": 0, "result": {}})
+
+    async with SendLoggingClient(sends=log, transport=httpx2.MockTransport(answer)) as client:
+        with log.call("op-1") as reached:
+            await client.send(_post("op-1"))
+            assert reached()
