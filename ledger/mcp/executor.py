@@ -150,6 +150,8 @@ class _Connection:
         self._owner: asyncio.Task[None] | None = None
         self._transport: WatchedTransport | None = None
         self._lock = asyncio.Lock()
+        self._probe: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()
         self.sends = SendLog(OPERATION_ID_META) if upstream.url is not None else None
         """Over HTTP: which keyed calls' requests may have reached the server (`SendLog`)."""
 
@@ -160,14 +162,20 @@ class _Connection:
 
     async def client(self, secrets: Mapping[str, str], timeout_s: float) -> Client:
         """The open session, or a new one within `timeout_s` (`UpstreamUnavailable`)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         async with self._lock:
+            if self._probe is not None and not self._probe.done():
+                # A call was cut short on this session a moment ago: whether it still
+                # answers decides whether this call may go to it.
+                await asyncio.wait({self._probe}, timeout=max(deadline - loop.time(), 0))
             if self._client is not None and self._owner is not None and not self._owner.done():
                 if self._transport is None or not self._transport.ended:
                     return self._client
-                # The server's side ended (a stdio server exited while idle): nothing
-                # was sent on this session, so a new one may take the call.
-                await self.drop()
-            loop = asyncio.get_running_loop()
+                # The server's side ended (a stdio server exited while idle): this call
+                # was not sent on it, so a new session may take it. The old one closes
+                # in the background, not on this call's time.
+                self._retire()
             ready: asyncio.Future[Client] = loop.create_future()
             stop = self._stop = asyncio.Event()
             server = self._transport = WatchedTransport(
@@ -176,7 +184,7 @@ class _Connection:
             )
             owner = self._owner = asyncio.create_task(self._own(server, ready, stop))
             try:
-                client = await asyncio.wait_for(ready, timeout=timeout_s)
+                client = await asyncio.wait_for(ready, timeout=max(deadline - loop.time(), 0))
             except BaseException as error:
                 # Not connected in time (or the call was cancelled): the half-open
                 # session, and a server process it started, must not outlive the call.
@@ -205,8 +213,10 @@ class _Connection:
             if not ready.done():
                 ready.set_exception(error if isinstance(error, Exception) else RuntimeError())
             elif not isinstance(error, asyncio.CancelledError):
-                _log.warning("the MCP session to %s ended: %s",
-                             self._upstream.describe(), type(error).__name__)
+                # Warned of already if its end was read (`_ended`); this says why.
+                _log.log(logging.INFO if stop.is_set() else logging.WARNING,
+                         "the MCP session to %s ended: %s",
+                         self._upstream.describe(), type(error).__name__)
             if isinstance(error, asyncio.CancelledError):
                 raise
         finally:
@@ -220,6 +230,37 @@ class _Connection:
                 _log.warning("the MCP session to %s ended; the next call opens a new one",
                              self._upstream.describe())
             stop.set()
+
+    def _retire(self) -> None:
+        """Stop the current session without waiting for it to close."""
+        owner, stop = self._owner, self._stop
+        self._client = None
+        if stop is not None:
+            stop.set()
+        if owner is not None and not owner.done():
+            self._closing.add(owner)  # held: a task nobody holds may be collected
+            owner.add_done_callback(self._closed)
+
+    def _closed(self, owner: asyncio.Task[None]) -> None:
+        self._closing.discard(owner)
+        if not owner.cancelled():
+            owner.exception()  # retrieved: the owner logged how its session ended
+
+    def check_later(self, client: Client, session: asyncio.Task[None] | None) -> None:
+        """A call on `session` was cut short (the runner's deadline) before the SDK's own
+        timeout could tell: probe the session in the background and drop it if it no
+        longer answers, so that a hung server does not take the next call too."""
+        if session is None or session is not self._owner:
+            return  # replaced already
+        if self._probe is not None and not self._probe.done():
+            return  # one probe answers for every call cut short meanwhile
+        self._probe = asyncio.create_task(self._probe_session(client, session))
+
+    async def _probe_session(self, client: Client, session: asyncio.Task[None]) -> None:
+        if not await _still_answers(client):
+            _log.warning("the MCP server at %s no longer answers; the next call opens a new"
+                         " session", self._upstream.describe())
+            await self.drop(session)
 
     async def drop(self, session: asyncio.Task[None] | None = None) -> None:
         """Close the session held by `session` (default: the current one) and wait until
@@ -347,6 +388,11 @@ def mcp_tool(
                     read_timeout_seconds=timeout,
                     meta=meta,
                 )
+            except asyncio.CancelledError:
+                # The runner's deadline comes a moment before the SDK's read timeout, so
+                # the check below never runs for a call that hangs: it runs later.
+                connection.check_later(client, session)
+                raise
             except MCPError as error:
                 # No JSON-RPC error proves the tool did not run: a running tool may raise
                 # any code after its effect (the SDK passes a handler's error through, and

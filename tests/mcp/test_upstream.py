@@ -145,6 +145,31 @@ async def test_a_hung_server_is_started_anew_for_the_next_call(tmp_path: Path) -
     assert time.monotonic() - started < 15  # a new server, not the hung one after 60 s
 
 
+async def test_a_hung_server_cut_off_by_the_runners_deadline_is_replaced_for_the_next_call(
+    tmp_path: Path,
+) -> None:
+    """Found in review: the runner cancels a call at its deadline, a moment before the
+    SDK's own read timeout, so the session was never asked whether it still answers, and
+    the next call went to the same hung server and timed out too (an unknown outcome
+    each). The call cut off now leaves that question behind, and the next call waits for
+    its answer: a new server."""
+    upstream = McpUpstream(
+        command=(sys.executable, "-m", "tests.mcp.sample_server"),
+        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
+    )
+    tool = mcp_tool("hang", upstream)
+
+    def attempt(key: str) -> ToolContext:
+        return context(key, secrets={"sample_effects": str(tmp_path / "e.jsonl")}, seconds=30)
+
+    assert await _run(tool, {"seconds": 0}, attempt("op-warm")) == {"ok": True}
+    # As the runner does: its own deadline, well before the context's (the SDK's).
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(_run(tool, {"seconds": 60}, attempt("op-hung")), timeout=1)
+    answer = await asyncio.wait_for(_run(tool, {"seconds": 0}, attempt("op-next")), timeout=10)
+    assert answer == {"ok": True}
+
+
 async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_call(
     tmp_path: Path,
 ) -> None:
