@@ -46,6 +46,7 @@ class SendLog:
     def __init__(self, key_field: str) -> None:
         self._key_field = key_field
         self._counts: dict[str, list[_Count]] = {}
+        self._in_flight: dict[str, int] = {}
         self._unreadable = 0
 
     @contextmanager
@@ -57,9 +58,13 @@ class SendLog:
         count = _Count()
         self._counts.setdefault(key, []).append(count)
         unreadable = self._unreadable
+        # A request with this key still on its way from before (an earlier attempt's,
+        # cut off by a timeout) may reach the server during this call: never "not sent".
+        earlier = self._in_flight.get(key, 0) > 0
 
         def may_have_reached() -> bool:
-            return self._unreadable != unreadable or count.given != count.not_connected
+            return (earlier or self._unreadable != unreadable
+                    or count.given != count.not_connected)
 
         try:
             yield may_have_reached
@@ -69,28 +74,40 @@ class SendLog:
             if not counts:
                 del self._counts[key]
 
-    def given(self, request: httpx2.Request) -> list[_Count]:
-        """A request is about to be sent: the calls it counts for."""
+    def given(self, request: httpx2.Request) -> tuple[list[str], list[_Count]]:
+        """A request is about to be sent: its keys, and the calls it counts for (both
+        handed back to `sent`)."""
         if request.method != "POST":
-            return []  # calls go by POST; a GET stream or a DELETE carries none
+            return [], []  # calls go by POST; a GET stream or a DELETE carries none
         keys = self._keys(request)
         if keys is None:
             self._unreadable += 1
-            return []
+            return [], []
+        for key in keys:
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
         counts = [count for key in keys for count in self._counts.get(key, ())]
         for count in counts:
             count.given += 1
-        return counts
+        return keys, counts
 
-    @staticmethod
-    def not_connected(counts: list[_Count]) -> None:
-        """The request of `counts` failed before a connection was open."""
-        for count in counts:
-            count.not_connected += 1
+    def sent(self, given: tuple[list[str], list[_Count]], *, connected: bool) -> None:
+        """The request `given` was sent, or failed (`connected`: whether a connection
+        was open for it, so some of it may have left)."""
+        keys, counts = given
+        for key in keys:
+            left = self._in_flight[key] - 1
+            if left:
+                self._in_flight[key] = left
+            else:
+                del self._in_flight[key]
+        if not connected:
+            for count in counts:
+                count.not_connected += 1
 
     def _keys(self, request: httpx2.Request) -> list[str] | None:
         """The idempotency keys in a JSON-RPC body (one message or a batch); None if the
-        body cannot be read as one."""
+        body cannot be read as one, or holds a tool call without a key where one should
+        be (it might be any call: fail closed, should the SDK ever move the key)."""
         try:
             body = orjson.loads(request.content)
         except (httpx2.RequestNotRead, orjson.JSONDecodeError):
@@ -105,6 +122,8 @@ class SendLog:
             key = meta.get(self._key_field) if isinstance(meta, dict) else None
             if isinstance(key, str):
                 keys.append(key)
+            elif message.get("method") == "tools/call":
+                return None  # a lookup's call (sent unkeyed) lands here too: safe
         return keys
 
 
@@ -114,17 +133,26 @@ class SendLoggingClient(httpx2.AsyncClient):
     `send` is where every request of the SDK goes, one at a time (it follows
     redirects itself); a subclass rather than a transport of our own, because a
     client given a transport no longer honours the environment's proxy settings.
+    What makes a connection error mean "nothing of it left" holds for this client
+    only as built here: HTTP/1.1 (over HTTP/2 the pool may resend a request on a new
+    connection after a GOAWAY, and then fail to connect) and no `auth` flow (which
+    may send several requests within one `send`).
     """
 
     def __init__(self, *args: Any, sends: SendLog, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        if kwargs.pop("http2", False) or kwargs.get("auth") is not None:
+            raise ValueError("a SendLoggingClient counts only HTTP/1.1 without an auth flow")
+        super().__init__(*args, http2=False, **kwargs)
         self._sends = sends
 
     async def send(self, request: httpx2.Request, **kwargs: Any) -> httpx2.Response:
         """Send `request`, counting it (and whether it never got a connection)."""
-        counts = self._sends.given(request)
+        given = self._sends.given(request)
+        connected = True
         try:
             return await super().send(request, **kwargs)
         except _NOT_CONNECTED:
-            SendLog.not_connected(counts)
+            connected = False
             raise
+        finally:
+            self._sends.sent(given, connected=connected)

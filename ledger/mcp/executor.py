@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,20 +109,28 @@ class McpUpstream:
             headers: dict[str, str] = {}
             if self.bearer_secret is not None:
                 headers["Authorization"] = f"Bearer {_secret(secrets, self.bearer_secret)}"
-            from mcp.client.streamable_http import streamable_http_client
-
             # The SDK's own defaults: 30 s to connect or write, 300 s to read (a server
             # may hold a stream open); the call's deadline is enforced per request.
             timeout = httpx2.Timeout(30.0, read=300.0)
             http = (httpx2.AsyncClient(headers=headers, timeout=timeout) if sends is None
                     else SendLoggingClient(headers=headers, timeout=timeout, sends=sends))
-            return streamable_http_client(self.url, http_client=http)
+            return _http_transport(self.url, http)
         # The child inherits this process's environment but none of its secrets nor of
         # its opledger settings (a database DSN, where the seeds are), and gets exactly
         # the secrets it is configured to have, by the names it expects.
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith(_OPLEDGER_ENV)}
         env.update({var: _secret(secrets, name) for var, name in self.env_secrets.items()})
         return StdioServerParameters(command=self.command[0], args=list(self.command[1:]), env=env)
+
+
+@contextlib.asynccontextmanager
+async def _http_transport(url: str, http: httpx2.AsyncClient) -> AsyncIterator[Any]:
+    """The SDK's Streamable HTTP transport over `http`, closing `http` (its connections)
+    when the session ends: the SDK leaves a client it was given open."""
+    from mcp.client.streamable_http import streamable_http_client
+
+    async with http, streamable_http_client(url, http_client=http) as streams:
+        yield streams
 
 
 def _secret(secrets: Mapping[str, str], name: str) -> str:

@@ -18,9 +18,11 @@ from ledger.mcp._sends import SendLog, SendLoggingClient
 KEY_FIELD = "io.opledger/operationId"
 
 
-def _post(*keys: str | None, batch: bool = False, body: bytes | None = None) -> httpx2.Request:
+def _post(
+    *keys: str | None, batch: bool = False, body: bytes | None = None, method: str = "tools/call"
+) -> httpx2.Request:
     messages: list[dict[str, Any]] = [
-        {"jsonrpc": "2.0", "id": index, "method": "tools/call",
+        {"jsonrpc": "2.0", "id": index, "method": method,
          "params": {"name": "t", "arguments": {}, **({"_meta": {KEY_FIELD: key}} if key else {})}}
         for index, key in enumerate(keys)
     ]
@@ -32,11 +34,11 @@ def test_a_call_none_of_whose_requests_connected_never_reached() -> None:
     log = SendLog(KEY_FIELD)
     with log.call("op-1") as reached:
         assert not reached()  # nothing given yet
-        counts = log.given(_post("op-1"))
+        given = log.given(_post("op-1"))
         assert reached()  # given: it may be on its way
-        SendLog.not_connected(counts)
+        log.sent(given, connected=False)
         assert not reached()
-        log.given(_post("op-1"))  # tried again, and this one connected
+        log.sent(log.given(_post("op-1")), connected=True)  # tried again, and connected
         assert reached()
 
 
@@ -44,7 +46,7 @@ def test_requests_of_other_keys_and_without_a_body_to_read_count_as_they_must() 
     log = SendLog(KEY_FIELD)
     with log.call("op-1") as reached:
         log.given(_post("op-2"))
-        log.given(_post(None))
+        log.given(_post(None, method="tools/list"))
         log.given(httpx2.Request("GET", "http://upstream.example/mcp"))
         log.given(httpx2.Request("DELETE", "http://upstream.example/mcp"))
         assert not reached()
@@ -61,6 +63,29 @@ def test_a_body_that_is_no_json_rpc_message_may_be_any_call(body: bytes) -> None
         assert reached()
 
 
+def test_a_tool_call_without_a_key_may_be_any_call() -> None:
+    """Fail closed: should the SDK ever move the key, a call would otherwise count for no
+    one and look unsent. (The lookup, sent unkeyed, lands here too.)"""
+    log = SendLog(KEY_FIELD)
+    with log.call("op-1") as reached:
+        log.given(_post(None))
+        assert reached()
+
+
+def test_a_request_with_the_key_still_on_its_way_from_before_counts_as_reached() -> None:
+    """An earlier attempt's request, cut off by a timeout but still connecting, may land
+    during the next attempt with the same key: that attempt is never "not sent"."""
+    log = SendLog(KEY_FIELD)
+    with log.call("op-1"):
+        earlier = log.given(_post("op-1"))
+    with log.call("op-1") as reached:
+        log.sent(log.given(_post("op-1")), connected=False)
+        assert reached()
+        log.sent(earlier, connected=True)
+    with log.call("op-1") as later:  # nothing of the key in flight any more
+        assert not later()
+
+
 def test_a_batch_counts_for_every_key_in_it() -> None:
     log = SendLog(KEY_FIELD)
     with log.call("op-1") as first, log.call("op-2") as second:
@@ -74,7 +99,7 @@ def test_two_calls_with_one_key_each_see_the_other_calls_requests() -> None:
     log = SendLog(KEY_FIELD)
     with log.call("op-1") as first:
         with log.call("op-1") as second:
-            log.given(_post("op-1"))
+            log.sent(log.given(_post("op-1")), connected=True)
             assert first() and second()
         assert first()
     with log.call("op-1") as again:  # a later call starts from nothing

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp import Client
 from mcp_types import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
 
 from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolError
@@ -285,6 +286,38 @@ async def test_a_call_whose_stdio_server_dies_while_it_runs_stays_unknown(
     with pytest.raises(ToolError) as lost:
         await call
     assert lost.value.code == "UPSTREAM_NO_ANSWER" and lost.value.outcome_unknown
+
+
+def _established_to(port: int) -> int:
+    """TCP connections on this machine established to `port` (IPv4 loopback), any side."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote_port = int(fields[2].split(":")[1], 16)
+        if remote_port == port and fields[3] == "01":
+            count += 1
+    return count
+
+
+async def test_an_http_session_closes_its_connections_when_it_ends(tmp_path: Path) -> None:
+    """Found in review: the SDK leaves an HTTP client it was given open, so every session
+    that ended (a restart of the server, a hung one dropped) kept its keep-alive
+    connection until garbage collection. Sessions now close their client."""
+    server, url = start_sample_http_server(tmp_path, tmp_path / "effects.jsonl")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        for _ in range(3):
+            async with Client(McpUpstream(url=url).client_target({})) as client:
+                await client.list_tools()
+                assert _established_to(port) >= 1  # kept alive while the session lasts
+        # Well within the server's own keep-alive timeout (uvicorn's: 5 s), which would
+        # otherwise close them in the end.
+        deadline = time.monotonic() + 1
+        while _established_to(port) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert _established_to(port) == 0
+    finally:
+        _stop(server)
 
 
 async def test_the_lookup_is_not_sent_under_the_operations_key(
