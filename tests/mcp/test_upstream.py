@@ -123,19 +123,26 @@ async def test_an_error_a_tool_raises_after_its_effect_is_an_unknown_outcome(
     assert len(_sent(effects, key)) == 1
 
 
+SAMPLE_OVER_STDIO = McpUpstream(
+    command=(sys.executable, "-m", "tests.mcp.sample_server"),
+    env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
+)
+"""The sample server, started by the executor over stdio (its effects file a secret)."""
+
+
+def _stdio_attempt(effects: Path, key: str, seconds: float = 20) -> ToolContext:
+    """An attempt for `SAMPLE_OVER_STDIO`, its server recording effects in `effects`."""
+    return context(key, secrets={"sample_effects": str(effects)}, seconds=seconds)
+
+
 async def test_a_hung_server_is_started_anew_for_the_next_call(tmp_path: Path) -> None:
     """A stdio server whose loop hangs answers nothing, not even `tools/list`: the
     session is dropped (and the server with it), and the next call gets a fresh one at
     once."""
-    upstream = McpUpstream(
-        command=(sys.executable, "-m", "tests.mcp.sample_server"),
-        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
-    )
-    secrets_of = {"sample_effects": str(tmp_path / "effects.jsonl")}
-    tool = mcp_tool("hang", upstream)
+    tool = mcp_tool("hang", SAMPLE_OVER_STDIO)
 
     def attempt(key: str, seconds: float) -> ToolContext:
-        return context(key, secrets=secrets_of, seconds=seconds)
+        return _stdio_attempt(tmp_path / "effects.jsonl", key, seconds)
 
     assert await _run(tool, {"seconds": 0}, attempt("op-warm", 20)) == {"ok": True}
     with pytest.raises(ToolError) as hung:
@@ -154,14 +161,10 @@ async def test_a_hung_server_cut_off_by_the_runners_deadline_is_replaced_for_the
     the next call went to the same hung server and timed out too (an unknown outcome
     each). The call cut off now leaves that question behind, and the next call waits for
     its answer: a new server."""
-    upstream = McpUpstream(
-        command=(sys.executable, "-m", "tests.mcp.sample_server"),
-        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
-    )
-    tool = mcp_tool("hang", upstream)
+    tool = mcp_tool("hang", SAMPLE_OVER_STDIO)
 
     def attempt(key: str) -> ToolContext:
-        return context(key, secrets={"sample_effects": str(tmp_path / "e.jsonl")}, seconds=30)
+        return _stdio_attempt(tmp_path / "e.jsonl", key, seconds=30)
 
     assert await _run(tool, {"seconds": 0}, attempt("op-warm")) == {"ok": True}
     # As the runner does: its own deadline, well before the context's (the SDK's).
@@ -180,14 +183,10 @@ async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_ca
     settle it. (Before the transport was watched, that call failed with
     `UPSTREAM_NO_ANSWER`, outcome unknown, and nothing recorded by any server.)"""
     effects = tmp_path / "effects.jsonl"
-    upstream = McpUpstream(
-        command=(sys.executable, "-m", "tests.mcp.sample_server"),
-        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
-    )
-    tool = mcp_tool("append_log", upstream)
+    tool = mcp_tool("append_log", SAMPLE_OVER_STDIO)
 
     def attempt(key: str) -> ToolContext:
-        return context(key, secrets={"sample_effects": str(effects)}, seconds=20)
+        return _stdio_attempt(effects, key)
 
     first = await _run(tool, {"line": "before", "delay_ms": 0}, attempt("op-before"))
     assert first == {"line": "before", "count": 1}
@@ -263,14 +262,10 @@ async def test_a_call_whose_stdio_server_dies_while_it_runs_stays_unknown(
     """Over stdio nothing counts requests (no HTTP client carries them), so a call whose
     server dies under it stays unknown, whatever the session's end looks like."""
     effects = tmp_path / "effects.jsonl"
-    upstream = McpUpstream(
-        command=(sys.executable, "-m", "tests.mcp.sample_server"),
-        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
-    )
-    tool = mcp_tool("append_log", upstream)
+    tool = mcp_tool("append_log", SAMPLE_OVER_STDIO)
 
     def attempt(key: str) -> ToolContext:
-        return context(key, secrets={"sample_effects": str(effects)}, seconds=20)
+        return _stdio_attempt(effects, key)
 
     await _run(tool, {"line": "warm", "delay_ms": 0}, attempt("op-warm"))
     [warm] = _sent(effects, "op-warm")
