@@ -160,6 +160,7 @@ class _Connection:
         self._lock = asyncio.Lock()
         self._probe: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._scopes: dict[asyncio.Task[None], anyio.CancelScope] = {}
         self.sends = SendLog(OPERATION_ID_META) if upstream.url is not None else None
         """Over HTTP: which keyed calls' requests may have reached the server (`SendLog`)."""
 
@@ -197,9 +198,7 @@ class _Connection:
                 # Not connected in time (or the call was cancelled): the half-open
                 # session, and a server process it started, must not outlive the call.
                 stop.set()
-                owner.cancel()
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.wait_for(owner, timeout=5)
+                await self._halt(owner)
                 if not isinstance(error, Exception):
                     raise
                 _log.warning("cannot reach the MCP server at %s: %s",
@@ -211,12 +210,19 @@ class _Connection:
             return client
 
     async def _own(self, server: Any, ready: asyncio.Future[Client], stop: asyncio.Event) -> None:
+        task = asyncio.current_task()
+        scope = anyio.CancelScope()
+        if task is not None:
+            self._scopes[task] = scope  # what `_halt` cancels the session through
         try:
-            async with Client(server, raise_exceptions=False, cache=None) as client:
-                if ready.done():
-                    return  # the caller gave up meanwhile
-                ready.set_result(client)
-                await stop.wait()
+            with scope:
+                async with Client(server, raise_exceptions=False, cache=None) as client:
+                    if ready.done():
+                        return  # the caller gave up meanwhile
+                    ready.set_result(client)
+                    await stop.wait()
+            if not ready.done():
+                ready.cancel()  # halted before the handshake finished
         except BaseException as error:  # the session ended: the next call reconnects
             if not ready.done():
                 ready.set_exception(error if isinstance(error, Exception) else RuntimeError())
@@ -228,7 +234,9 @@ class _Connection:
             if isinstance(error, asyncio.CancelledError):
                 raise
         finally:
-            if asyncio.current_task() is self._owner:
+            if task is not None:
+                self._scopes.pop(task, None)
+            if task is self._owner:
                 self._client = None
 
     def _ended(self, stop: asyncio.Event) -> None:
@@ -238,6 +246,29 @@ class _Connection:
                 _log.warning("the MCP session to %s ended; the next call opens a new one",
                              self._upstream.describe())
             stop.set()
+
+    async def _halt(self, owner: asyncio.Task[None]) -> None:
+        """Cancel the session held by `owner` and wait (boundedly) until it has ended.
+
+        Through the session's cancel scope, not `Task.cancel`: the SDK's shutdown is
+        shielded and runs to its end, stopping a server process it started, where
+        `Task.cancel` cuts it short and leaves that server running (found in review:
+        a server that ignores its closed input lives on). Waited for even when the
+        caller is being cancelled (an executor stopping), since a loop that ends next
+        cancels what is left of the shutdown natively. `Task.cancel` only as the last
+        resort, or before the task holds a scope (then it holds nothing yet).
+        """
+        scope = self._scopes.get(owner)
+        if scope is None:
+            owner.cancel()
+        else:
+            scope.cancel()
+        done, _ = await asyncio.wait({owner}, timeout=_HALT_S)
+        if not done:
+            owner.cancel()
+            await asyncio.wait({owner}, timeout=_HALT_S)
+        if owner.done() and not owner.cancelled():
+            owner.exception()  # retrieved: the owner logged how its session ended
 
     def _retire(self) -> None:
         """Stop the current session without waiting for it to close."""
@@ -287,14 +318,13 @@ class _Connection:
         # Not `wait_for` under `suppress(CancelledError)`: that also swallowed a cancel
         # of the caller arriving meanwhile (an executor stopping), which then ran on.
         try:
-            done, _ = await asyncio.wait({owner}, timeout=5)
+            done, _ = await asyncio.wait({owner}, timeout=_HALT_S)
         except asyncio.CancelledError:
-            owner.cancel()  # the caller stops: the session (and a server it started) too
+            await self._halt(owner)  # the caller stops: the session (and its server) too
             raise
         if not done:
-            owner.cancel()  # it does not close: it must not outlive the session
-            await asyncio.wait({owner})
-        if not owner.cancelled():
+            await self._halt(owner)  # it does not close: it must not outlive the session
+        elif not owner.cancelled():
             owner.exception()  # retrieved: the owner logged how its session ended
 
 
@@ -329,6 +359,10 @@ def _category(
 
 _SESSION_LOST = frozenset({types.CONNECTION_CLOSED})
 """Errors after which the session is gone for certain."""
+
+_HALT_S = 5.0
+"""How long a session has to close (the SDK's own shutdown is bounded: about 2 s for a
+server process to exit before it is terminated, then killed)."""
 
 _PROBE_S = 2.0
 """How long a session that failed a call has to answer `tools/list` before it is dropped."""

@@ -9,6 +9,7 @@ own secrets, and nowhere else."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -172,6 +173,52 @@ async def test_a_hung_server_cut_off_by_the_runners_deadline_is_replaced_for_the
         await asyncio.wait_for(_run(tool, {"seconds": 60}, attempt("op-hung")), timeout=1)
     answer = await asyncio.wait_for(_run(tool, {"seconds": 0}, attempt("op-next")), timeout=10)
     assert answer == {"ok": True}
+
+
+def _running_children(module: str) -> set[int]:
+    """This process's children, zombies aside, whose command line names `module`."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state_and_parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, UnicodeDecodeError):
+            continue
+        if (int(state_and_parent[1]) == os.getpid() and state_and_parent[0] != "Z"
+                and module in command):
+            found.add(int(entry.name))
+    return found
+
+
+async def test_an_executor_stopping_while_a_session_closes_leaves_no_server_behind(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a caller cancelled while `drop` waited for the session to close
+    (an executor stopping) cancelled the session's task, which cut the SDK's shielded
+    shutdown short: a server busy in a call, which does not see its input close, was
+    left running. The session is now halted through its cancel scope, and the SDK's
+    shutdown stops its server."""
+    from ledger.mcp.executor import _Connection
+
+    before = _running_children("tests.mcp.sample_server")
+    connection = _Connection(SAMPLE_OVER_STDIO)
+    client = await connection.client({"sample_effects": str(tmp_path / "e.jsonl")}, 20)
+    [server] = _running_children("tests.mcp.sample_server") - before
+    busy = asyncio.ensure_future(client.call_tool("hang", {"seconds": 60}))
+    await asyncio.sleep(0.5)  # the server's loop is inside the call: it reads nothing now
+    caller = asyncio.ensure_future(connection.drop())
+    await asyncio.sleep(0.5)  # the shutdown has begun: input closed, waiting for an exit
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(busy, timeout=5)
+    deadline = time.monotonic() + 15
+    while alive(server) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not alive(server)
 
 
 async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_call(
