@@ -198,9 +198,14 @@ class _Connection:
                 # Not connected in time (or the call was cancelled): the half-open
                 # session, and a server process it started, must not outlive the call.
                 stop.set()
-                await self._halt(owner)
                 if not isinstance(error, Exception):
+                    await self._halt(owner)  # the caller stops: wait, as `drop` does
                     raise
+                # Not on this call's time: the SDK's shutdown of a server that does not
+                # answer takes seconds, and the runner's deadline is only a margin away
+                # (found in review: the call became a timeout, an unknown outcome).
+                self._cancel(owner)
+                self._keep_closing(owner)
                 _log.warning("cannot reach the MCP server at %s: %s",
                              self._upstream.describe(), type(error).__name__)
                 raise UpstreamUnavailable(
@@ -258,11 +263,7 @@ class _Connection:
         cancels what is left of the shutdown natively. `Task.cancel` only as the last
         resort, or before the task holds a scope (then it holds nothing yet).
         """
-        scope = self._scopes.get(owner)
-        if scope is None:
-            owner.cancel()
-        else:
-            scope.cancel()
+        self._cancel(owner)
         done, _ = await asyncio.wait({owner}, timeout=_HALT_S)
         if not done:
             owner.cancel()
@@ -270,15 +271,29 @@ class _Connection:
         if owner.done() and not owner.cancelled():
             owner.exception()  # retrieved: the owner logged how its session ended
 
+    def _cancel(self, owner: asyncio.Task[None]) -> None:
+        """Cancel the session held by `owner` through its scope (`_halt`); the task itself
+        before it holds one."""
+        scope = self._scopes.get(owner)
+        if scope is None:
+            owner.cancel()
+        else:
+            scope.cancel()
+
+    def _keep_closing(self, owner: asyncio.Task[None]) -> None:
+        """Let the session held by `owner` close in the background."""
+        if not owner.done():
+            self._closing.add(owner)  # held: a task nobody holds may be collected
+            owner.add_done_callback(self._closed)
+
     def _retire(self) -> None:
         """Stop the current session without waiting for it to close."""
         owner, stop = self._owner, self._stop
         self._client = None
         if stop is not None:
             stop.set()
-        if owner is not None and not owner.done():
-            self._closing.add(owner)  # held: a task nobody holds may be collected
-            owner.add_done_callback(self._closed)
+        if owner is not None:
+            self._keep_closing(owner)
 
     def _closed(self, owner: asyncio.Task[None]) -> None:
         self._closing.discard(owner)
