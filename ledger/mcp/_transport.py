@@ -86,10 +86,7 @@ class _EndWatchingRead:
     async def __anext__(self) -> Any:
         try:
             return await self._inner.__anext__()
-        except StopAsyncIteration:
-            self._on_end()
-            raise
-        except _ENDED:
+        except (StopAsyncIteration, *_ENDED):
             self._on_end()
             raise
 
