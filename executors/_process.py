@@ -677,7 +677,8 @@ class ItemProcessor:
                     raise _StoppedOnCancel
             # Too late to stop, nothing asked, or the deadline within one interval: the
             # call runs to its deadline.
-            return await asyncio.wait_for(run, timeout=max(deadline - time.monotonic(), 0))
+            async with asyncio.timeout(deadline - time.monotonic()):
+                return await run
         finally:
             if watch is not None:
                 watch.cancel()
@@ -740,10 +741,11 @@ class ItemProcessor:
         """The verdict, or the failure to publish. No side effect has happened here."""
         assert self.tool.check_preconditions is not None
         try:
-            verdict = await asyncio.wait_for(
-                _invoke(self.tool.check_preconditions, arguments, context),
-                timeout=deadline - time.monotonic(),
-            )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError  # no time left: the check is not started at all
+            async with asyncio.timeout(left):
+                verdict = await _invoke(self.tool.check_preconditions, arguments, context)
         except TimeoutError:
             return self._failure(
                 attempt,
@@ -803,9 +805,8 @@ class ItemProcessor:
         context = self._context(attempt, timeout_s, reply)
         started = time.monotonic()
         try:
-            found = await asyncio.wait_for(
-                _invoke(reconcile, attempt.operation_id, context), timeout=timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                found = await _invoke(reconcile, attempt.operation_id, context)
             if not isinstance(found, Reconciliation):
                 raise TypeError(f"reconcile returned {type(found).__name__}")
         except Exception as exc:
@@ -939,9 +940,8 @@ class ItemProcessor:
                 "PREVIEW_UNSUPPORTED", ErrorCategory.INTERNAL, "this tool has no preview"
             ), False
         try:
-            output = await asyncio.wait_for(
-                _invoke(hook, arguments, context), timeout=max(deadline - time.monotonic(), 0.1)
-            )
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
+                output = await _invoke(hook, arguments, context)
         except ToolError as error:
             info = self._tool_error_info(error)
             message, _ = redact_text(info.message, self.redaction)
@@ -1048,10 +1048,8 @@ class ItemProcessor:
         post = self.tool.check_postconditions
         if post is not None and check_post:
             try:
-                problems = await asyncio.wait_for(
-                    _invoke(post, arguments, data, context),
-                    timeout=max(context.seconds_left(self._clock()), 1.0),
-                )
+                async with asyncio.timeout(max(context.seconds_left(self._clock()), 1.0)):
+                    problems = await _invoke(post, arguments, data, context)
             except Exception as exc:
                 self._log.warning("postcondition check failed: %s", type(exc).__name__)
                 raise _Untrusted(

@@ -289,7 +289,8 @@ class ExecutorRunner:
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
 
     async def handle(self, msg: Any) -> ItemDisposition:
         """Process one JetStream message and settle it (ack, nak, term, publish then ack)."""

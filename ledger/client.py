@@ -349,9 +349,8 @@ class AgentHostClient:
                         state=status.state if ask else "unknown",
                     )
                 try:
-                    return await asyncio.wait_for(
-                        asyncio.shield(waiter), timeout=min(remaining, self._poll)
-                    )
+                    async with asyncio.timeout(min(remaining, self._poll)):
+                        return await asyncio.shield(waiter)
                 except TimeoutError:
                     ask = True  # in case the announcement was lost
         finally:

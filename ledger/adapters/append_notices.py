@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import psycopg
 from psycopg.sql import SQL, Identifier
 
+from ledger._tasks import cancel_and_wait
 from ledger.adapters.notices import notice_head, read_notice
 
 __all__ = ["AppendNotices"]
@@ -100,10 +101,8 @@ class AppendNotices:
 
     async def stop(self) -> None:
         """Stop listening and close the connection."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self.listening.clear()
         self.backend_pid = None
 
@@ -154,7 +153,8 @@ class AppendNotices:
                 async for notice in conn.notifies(timeout=_CHECK_EVERY_S):
                     self._heard(notice.payload)
                 # Every half minute, however busy: still there?
-                await asyncio.wait_for(conn.execute("SELECT 1"), _CHECK_EVERY_S / 3)
+                async with asyncio.timeout(_CHECK_EVERY_S / 3):
+                    await conn.execute("SELECT 1")
         finally:
             with contextlib.suppress(Exception):
                 await conn.close()

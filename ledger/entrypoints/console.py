@@ -110,30 +110,31 @@ def _consumers(settings: Settings) -> dict[str, Any] | None:
     if url is None or not seed.exists():
         return None
     try:
-        return asyncio.run(asyncio.wait_for(_read_consumers(url, seed), timeout=5))
+        return asyncio.run(_read_consumers(url, seed, within_s=5))
     except Exception as error:  # NATS down, refused, slow: say so, never a traceback
         return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
 
 
-async def _read_consumers(url: str, seed: Path) -> dict[str, Any]:
+async def _read_consumers(url: str, seed: Path, *, within_s: float) -> dict[str, Any]:
     from ledger.nats import Identity, Role, connect_as
 
-    identity = Identity.from_seed_file(Role.LEDGER, "ledger", seed)
-    nc = await connect_as(url, identity, allow_reconnect=False, connect_timeout=2)
-    try:
-        js = nc.jetstream(timeout=2)
-        found: dict[str, Any] = {}
-        for stream in await js.streams_info():
-            name = stream.config.name or ""
-            for consumer in await js.consumers_info(name):
-                found[f"{name}/{consumer.name}"] = {
-                    "waiting": consumer.num_pending,
-                    "unacknowledged": consumer.num_ack_pending,
-                    "redelivered": consumer.num_redelivered,
-                }
-        return found
-    finally:
-        await nc.close()
+    async with asyncio.timeout(within_s):
+        identity = Identity.from_seed_file(Role.LEDGER, "ledger", seed)
+        nc = await connect_as(url, identity, allow_reconnect=False, connect_timeout=2)
+        try:
+            js = nc.jetstream(timeout=2)
+            found: dict[str, Any] = {}
+            for stream in await js.streams_info():
+                name = stream.config.name or ""
+                for consumer in await js.consumers_info(name):
+                    found[f"{name}/{consumer.name}"] = {
+                        "waiting": consumer.num_pending,
+                        "unacknowledged": consumer.num_ack_pending,
+                        "redelivered": consumer.num_redelivered,
+                    }
+            return found
+        finally:
+            await nc.close()
 
 
 def render_status(data: dict[str, Any]) -> str:

@@ -193,7 +193,8 @@ class _Connection:
             )
             owner = self._owner = asyncio.create_task(self._own(server, ready, stop))
             try:
-                client = await asyncio.wait_for(ready, timeout=max(deadline - loop.time(), 0))
+                async with asyncio.timeout_at(deadline):
+                    client = await ready
             except BaseException as error:
                 # Not connected in time (or the call was cancelled): the half-open
                 # session, and a server process it started, must not outlive the call.

@@ -28,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from pydantic import BaseModel, ValidationError
 
+from ledger._tasks import cancel_and_wait
 from ledger.adapters.append_notices import AppendNotices
 from ledger.adapters.event_tables import StoredRow
 from ledger.adapters.recorders import ArrayInsertRecorder
@@ -657,9 +658,8 @@ class LedgerService:
         if reads is None:
             return None
         try:
-            return await asyncio.wait_for(
-                getattr(reads, question)(*args), _SWEEP_QUESTION_TIMEOUT_S
-            )
+            async with asyncio.timeout(_SWEEP_QUESTION_TIMEOUT_S):
+                return await getattr(reads, question)(*args)
         except TimeoutError:
             reads.cancel()
             _log.warning(
@@ -787,9 +787,7 @@ class LedgerService:
 
     async def stop(self) -> None:
         """Stop serving; what was not relayed is relayed by the next start."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         if self._requests is not None:
             await self._requests.stop()
         if self.append_notices is not None:
@@ -802,7 +800,8 @@ class LedgerService:
                 with contextlib.suppress(Exception):
                     await message.nak()
         try:
-            await asyncio.wait_for(self.broker.stop(), timeout=5)
+            async with asyncio.timeout(5):
+                await self.broker.stop()
         except Exception:
             with contextlib.suppress(Exception):
                 await self.broker.connection.close()

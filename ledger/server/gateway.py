@@ -41,6 +41,7 @@ from typing import Any, Generic, TypeVar
 
 from eventsourcing.persistence import IntegrityError
 
+from ledger._tasks import cancel_and_wait
 from ledger.adapters.failures import is_outage
 from ledger.domain.errors import InvalidArgument, LedgerError
 from ledger.domain.states import ResultDisposition
@@ -113,9 +114,7 @@ class LedgerGateway:
 
     async def stop(self) -> None:
         """Stop batching."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def call(self, fn: Callable[..., Out], *args: Any) -> Out:
         """Run any ledger function between batches (unbatched)."""

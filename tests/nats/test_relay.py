@@ -289,3 +289,47 @@ async def test_a_standby_relay_asks_for_the_lease_at_its_poll_not_after_each_bat
         assert any(f"op-standby-{suffix}" in m for m in standby.published)
         await standby.stop()
     ledger.close()
+
+
+async def test_a_relay_told_to_stop_as_its_pubacks_arrive_stops(
+    nats_env: NatsEnv, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worst moment for a stop: its cancel lands in the same turn of the loop as
+    # the batch's last PubAck. Python 3.11's `asyncio.wait_for` then returned the
+    # PubAcks and dropped the cancel (fixed in 3.12), so the relay went on to wait
+    # for its next wake-up, and `stop()` waited for the relay: a service that never
+    # finished stopping (seen under load in tests/nats/test_append_notices.py).
+    ledger: Ledger = make_ledger(StorageConfig.sqlite(tmp_path / "ledger.db"))
+    gateway = LedgerGateway(ledger)
+    async with nats_env.connect(Role.LEDGER, "ledger") as probe:
+        relay = build_relay(gateway, probe.nc)
+        publisher_js = relay._publisher._js
+        publish_async = publisher_js.publish_async
+        acks: list[asyncio.Future[Any]] = []
+        stopping: list[asyncio.Task[None]] = []
+
+        def stop_once_all_acked(_: object) -> None:
+            # Runs before the batch's gather hears of the last PubAck (registered
+            # first), so the stop's cancel and the PubAcks meet in one turn.
+            if not stopping and all(ack.done() for ack in acks):
+                stopping.append(asyncio.get_running_loop().create_task(relay.stop()))
+
+        async def publish_then_stop(*args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+            ack: asyncio.Future[Any] = await publish_async(*args, **kwargs)
+            acks.append(ack)
+            ack.add_done_callback(stop_once_all_acked)
+            return ack
+
+        monkeypatch.setattr(publisher_js, "publish_async", publish_then_stop)
+        ledger.submit(search("op-stop-at-ack"), ALICE)  # one batch: 3 feed events, 1 item
+        relay.start()
+        async with asyncio.timeout(15):
+            while not stopping:
+                await asyncio.sleep(0.01)
+        try:
+            async with asyncio.timeout(10):
+                await stopping[0]
+        except TimeoutError:
+            raise AssertionError("the relay's stop did not end: its cancel was lost") from None
+        assert relay._task is not None and relay._task.done()
+    ledger.close()

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from nats.aio.client import Client
 
 from ledger._recent import Recent
+from ledger._tasks import cancel_and_wait
 from ledger.adapters.event_tables import StoredRow
 from ledger.domain.event_kinds import event_kind
 from ledger.server.gateway import LedgerGateway
@@ -155,9 +156,7 @@ class Relay:
 
     async def stop(self) -> None:
         """Stop relaying (what was not published is published by the next relay)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         if self._position is not None:
             if self._confirmed != self._position:
                 with contextlib.suppress(Exception):

@@ -134,9 +134,10 @@ class RelayPublisher:
                 if message.feed:
                     feed_acks.append(ack)
             if acks:
-                outcomes = await asyncio.wait_for(
-                    asyncio.gather(*acks, return_exceptions=True), timeout=self._ack_timeout
-                )
+                # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` drops a
+                # cancel that arrives with the PubAcks, and the relay would not stop.
+                async with asyncio.timeout(self._ack_timeout):
+                    outcomes = await asyncio.gather(*acks, return_exceptions=True)
                 await self._refused(acked, outcomes)
         except BaseException:
             for ack in acks:
