@@ -24,6 +24,7 @@ Public surface:
 from executors._api import (
     CancelFn,
     CheckFn,
+    CloseFn,
     PostconditionFn,
     Precondition,
     PreconditionVerdict,
@@ -73,6 +74,7 @@ __all__ = [
     "SECRET_ENV_PREFIX",
     "CancelFn",
     "CheckFn",
+    "CloseFn",
     "ExecutorConfigError",
     "ExecutorMetrics",
     "ExecutorRunner",

@@ -60,6 +60,7 @@ __all__ = [
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_C = TypeVar("_C", bound=Callable[[], Awaitable[None]])
 
 
 class ToolError(OpledgerError):
@@ -240,6 +241,9 @@ PreviewFn: TypeAlias = Callable[
 ]
 """`preview(arguments, context)`: what the call would do, without doing it (JSON data).
 Deterministic for an unchanged target: the same call previews the same, byte for byte."""
+CloseFn: TypeAlias = Callable[[], Awaitable[None]]
+"""`close()`: the executor stops, after its last item: release what the tool holds across
+calls (sessions, connections, processes it started)."""
 
 
 @dataclass(slots=True)
@@ -258,6 +262,8 @@ class Tool:
     check_postconditions: PostconditionFn | None = None
     cancel: CancelFn | None = None
     preview: PreviewFn | None = None
+    close: CloseFn | None = None
+    """Awaited once when the executor stops, after its items (bounded; see the runner)."""
     required_secrets: tuple[str, ...] = ()
     """Secret names the executor refuses to start without (lower case)."""
 
@@ -285,6 +291,11 @@ class Tool:
     def previewer(self, fn: _F) -> _F:
         """Decorator: register `fn` as `preview` (the dry run approvers are shown)."""
         self.preview = fn
+        return fn
+
+    def closer(self, fn: _C) -> _C:
+        """Decorator: register `fn` (async, no arguments) as `close`."""
+        self.close = fn
         return fn
 
 

@@ -63,6 +63,10 @@ from schemas import (
 
 __all__ = ["ExecutorRunner", "RunnerOptions", "load_contract"]
 
+_TOOL_CLOSE_S = 30.0
+"""How long a tool's `close` may take when the executor stops (an MCP executor's closes
+its sessions, each within 16 s: ledger.mcp.executor)."""
+
 ConnectFn = Callable[..., Awaitable[Any]]
 PullFn = Callable[[Any, str, str], PullConsumer]
 
@@ -232,8 +236,24 @@ class ExecutorRunner:
             finally:
                 await self._close()
         finally:
+            # Also when the run was cancelled (a second signal): the items are over
+            # either way, and what the tool holds (an MCP server process it started)
+            # must not outlive the executor.
+            await self._close_tool()
             if server is not None:
                 server.shutdown()
+
+    async def _close_tool(self) -> None:
+        close = self.tool.close
+        if close is None:
+            return
+        try:
+            async with asyncio.timeout(_TOOL_CLOSE_S):
+                await close()
+        except TimeoutError:
+            self._log.warning("the tool did not close within %.0f s", _TOOL_CLOSE_S)
+        except Exception:  # the executor stops all the same; say why it did not close
+            self._log.exception("closing the tool failed")
 
     async def _loop(self, consumer: PullConsumer) -> None:
         # Up to `batch_size` items in flight at once, pulling as slots free up.

@@ -317,6 +317,27 @@ class _Connection:
                          " session", self._upstream.describe())
             await self.drop(session)
 
+    async def close(self) -> None:
+        """Close every session and wait until each has ended (the executor stops): the
+        current one, those closing in the background, and one a probe would drop.
+
+        Awaited by the runner as the tool's `close` (`executors.Tool.close`). Without
+        it, the event loop's end cancelled what was still closing natively, which cuts
+        the SDK's shutdown short and left a server process it started running (found in
+        review: a server busy in a call cut off by the deadline survived its executor).
+        """
+        probe = self._probe
+        if probe is not None and not probe.done():
+            probe.cancel()  # its answer no longer matters; a drop under way halts its session
+        owner, stop = self._owner, self._stop
+        self._client = None
+        if stop is not None:
+            stop.set()
+        sessions = {task for task in (*self._closing, owner) if task is not None}
+        await asyncio.gather(*(self._halt(task) for task in sessions if not task.done()))
+        if probe is not None:
+            await asyncio.wait({probe})  # its own halt is bounded as these are
+
     async def drop(self, session: asyncio.Task[None] | None = None) -> None:
         """Close the session held by `session` (default: the current one) and wait until
         it has ended; the next call opens a new one."""
@@ -376,9 +397,10 @@ def _category(
 _SESSION_LOST = frozenset({types.CONNECTION_CLOSED})
 """Errors after which the session is gone for certain."""
 
-_HALT_S = 5.0
-"""How long a session has to close (the SDK's own shutdown is bounded: about 2 s for a
-server process to exit before it is terminated, then killed)."""
+_HALT_S = 8.0
+"""How long a session has to close. The SDK's own shutdown is bounded at 6.5 s for a
+server process it started: 0.5 s to flush, 2 s to exit once its input is closed, 2 s
+after SIGTERM to its process group, then SIGKILL and 2 s to reap it."""
 
 _PROBE_S = 2.0
 """How long a session that failed a call has to answer `tools/list` before it is dropped."""
@@ -523,5 +545,6 @@ def mcp_tool(
         run=run,
         version=version,
         reconcile=reconcile,
+        close=connection.close,
         required_secrets=secrets_needed,
     )

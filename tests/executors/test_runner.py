@@ -420,3 +420,68 @@ def test_a_result_is_kept_trying_while_the_lease_holds_then_put_back(
         assert len(fake.published) == published, fake.events
         assert (("ack", "m1") in fake.events) is acked
         assert fake.events.count(("in_progress", "m1")) >= published - 1
+
+
+def _closing_tool(events: list[tuple[Any, ...]], run: Any = None, close: Any = None) -> Tool:
+    tool = _tool(run)
+
+    async def recorded_close() -> None:
+        events.append(("tool closed",))
+        if close is not None:
+            await close()
+
+    tool.closer(recorded_close)
+    return tool
+
+
+def test_the_tools_close_is_awaited_once_when_the_executor_stops_after_its_last_item() -> None:
+    fake = FakeNats({"op-1": _execute("op-1")})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    asyncio.run(_runner(fake, _closing_tool(fake.events)).run())
+    assert fake.events.count(("tool closed",)) == 1
+    assert fake.events.index(("ack", "m1")) < fake.events.index(("tool closed",))
+
+
+def test_an_abandoned_item_still_closes_the_tool() -> None:
+    """A second signal cancels the run while an item runs: the item is abandoned (it is
+    redelivered), and the tool still closes (an MCP server process it started must not
+    outlive the executor)."""
+    fake = FakeNats({"op-1": _execute("op-1")})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    running = asyncio.Event()
+
+    async def hangs(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        running.set()
+        await asyncio.Event().wait()
+        return OUTPUT
+
+    async def main() -> None:
+        task = asyncio.get_running_loop().create_task(
+            _runner(fake, _closing_tool(fake.events, hangs)).run()
+        )
+        await running.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert ("ack", "m1") not in fake.events
+    assert fake.events.count(("tool closed",)) == 1
+
+
+@pytest.mark.parametrize("failure", ["hangs", "raises"])
+def test_a_close_that_hangs_or_fails_does_not_keep_the_executor_from_stopping(
+    failure: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(executors._runner, "_TOOL_CLOSE_S", 0.2)
+
+    async def close() -> None:
+        if failure == "raises":
+            raise RuntimeError("the provider's client would not close")
+        await asyncio.Event().wait()
+
+    fake = FakeNats({})
+    asyncio.run(_runner(fake, _closing_tool(fake.events, close=close)).run())
+    assert ("tool closed",) in fake.events
+    said = "did not close within" if failure == "hangs" else "closing the tool failed"
+    assert any(said in record.getMessage() for record in caplog.records)

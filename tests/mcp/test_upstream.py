@@ -221,6 +221,48 @@ async def test_an_executor_stopping_while_a_session_closes_leaves_no_server_behi
     assert not alive(server)
 
 
+def test_an_executor_that_stops_after_a_call_was_cut_off_leaves_no_server_behind(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a call the runner cut off leaves its session closing in the
+    background (a probe, then a drop). When the executor stopped during that close, the
+    event loop's end cancelled it natively, which cuts the SDK's shutdown short: the
+    server, busy in the call, was neither terminated nor waited for boundedly, and the
+    executor's exit hung until the call ended. The runner now awaits the tool's `close`
+    (`executors.Tool.close`, `tests/executors/test_runner.py`) before the loop ends."""
+    before = _running_children("tests.mcp.sample_server")
+    servers: set[int] = set()
+
+    async def executor() -> None:
+        tool = mcp_tool("hang", SAMPLE_OVER_STDIO)
+
+        def attempt(key: str) -> ToolContext:
+            return _stdio_attempt(tmp_path / "e.jsonl", key, seconds=30)
+
+        assert await _run(tool, {"seconds": 0}, attempt("op-warm")) == {"ok": True}
+        servers.update(_running_children("tests.mcp.sample_server") - before)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1):  # the runner's deadline
+                await _run(tool, {"seconds": 60}, attempt("op-hung"))
+        # The probe finds the server hung after 2 s and drops its session: the SDK
+        # closes the server's input and gives it 2 s to exit before SIGTERM. The
+        # executor stops in the middle of that: the runner closes the tool.
+        await asyncio.sleep(3)
+        assert tool.close is not None
+        await tool.close()
+
+    started = time.monotonic()
+    asyncio.run(executor())  # a loop of its own, which ends as the executor's does
+    # Without the close, the loop's end cancelled the shutdown under way, and the
+    # executor's exit then waited for the server to end its 60 s call (62 s, checked).
+    assert time.monotonic() - started < 30, "the executor waited for the server's call"
+    assert len(servers) == 1
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in servers)
+
+
 async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_call(
     tmp_path: Path,
 ) -> None:
