@@ -173,7 +173,7 @@ class _Connection:
         """The open session, or a new one within `timeout_s` (`UpstreamUnavailable`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        async with self._lock:
+        async with self._turn(deadline):
             if self._probe is not None and not self._probe.done():
                 # A call was cut short on this session a moment ago: whether it still
                 # answers decides whether this call may go to it.
@@ -214,6 +214,25 @@ class _Connection:
                 ) from None
             self._client = client
             return client
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, deadline: float) -> AsyncIterator[None]:
+        """A call's turn at the session (one call connects at a time), waited for until
+        `deadline` (the loop's time): behind a connect that takes longer, a call gives
+        up as not sent (`UpstreamUnavailable`). Waiting on, the runner's deadline cut it
+        off instead: a timeout, an unknown outcome, for a call that sent nothing."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise UpstreamUnavailable(
+                "the MCP server could not be reached in time (another call was connecting)",
+                upstream=self._upstream.describe(),
+            ) from None
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     async def _own(self, server: Any, ready: asyncio.Future[Client], stop: asyncio.Event) -> None:
         task = asyncio.current_task()
@@ -264,6 +283,9 @@ class _Connection:
         cancels what is left of the shutdown natively. `Task.cancel` only as the last
         resort, or before the task holds a scope (then it holds nothing yet).
         """
+        # Kept among the closing sessions until it has ended, so that a halt cut short (a
+        # second cancel of its caller) still leaves it to `close`.
+        self._keep_closing(owner)
         self._cancel(owner)
         done, _ = await asyncio.wait({owner}, timeout=_HALT_S)
         if not done:

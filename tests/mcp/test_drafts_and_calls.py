@@ -264,6 +264,46 @@ async def test_a_server_that_never_answers_is_unavailable_and_does_not_linger(
     assert not alive(pid)
 
 
+@pytest.mark.anyio
+async def test_a_call_behind_another_calls_connect_gives_up_within_its_own_time(
+    tmp_path: Path,
+) -> None:
+    """Calls share one session, opened by one of them at a time. A call with less time
+    left than the one connecting waited for that connect to end, past its own deadline,
+    and the runner cut it off: a timeout, an unknown outcome, for a call that sent
+    nothing. It now waits within its own connect time, and is `UPSTREAM_UNAVAILABLE`."""
+    pid_file = tmp_path / "pid"
+    hang = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+    tool = mcp_tool("noop", McpUpstream(command=(sys.executable, "-c", hang, str(pid_file))))
+
+    def attempt(key: str, seconds: float) -> ToolContext:
+        return ToolContext(
+            operation_id=f"h1/{key}", attempt=1, fencing_token=1,
+            deadline=datetime.now(UTC) + timedelta(seconds=seconds),
+        )
+
+    async def run(context: ToolContext) -> None:
+        await tool.run({}, context)  # type: ignore[misc]  # mcp_tool's run is async
+
+    first = asyncio.ensure_future(run(attempt("op-first", 4)))
+    await asyncio.sleep(0.2)  # the first call is connecting: the server never answers
+    started = time.monotonic()
+    with pytest.raises(ToolError) as behind:
+        async with asyncio.timeout(1.5):  # the runner's deadline for the second call
+            await run(attempt("op-second", 1))
+    assert time.monotonic() - started < 1.5
+    assert behind.value.code == "UPSTREAM_UNAVAILABLE"
+    assert behind.value.retryable and not behind.value.outcome_unknown
+    with pytest.raises(ToolError) as connecting:
+        await first
+    assert connecting.value.code == "UPSTREAM_UNAVAILABLE"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not alive(pid)
+
+
 def test_two_tools_that_would_be_one_contract_are_refused_and_nothing_is_written(
     tmp_path: Path,
 ) -> None:

@@ -221,6 +221,48 @@ async def test_an_executor_stopping_while_a_session_closes_leaves_no_server_behi
     assert not alive(server)
 
 
+async def test_a_halt_cut_short_by_a_second_cancel_is_still_finished_by_close(
+    tmp_path: Path,
+) -> None:
+    """A caller of `drop` cancelled twice (a second signal) cuts its wait for the session
+    short; a new session may replace it meanwhile. `close` (the executor stops) must
+    still wait for the old one: here a server that ignores SIGTERM, busy in a call, which
+    only the SDK's SIGKILL ends. Before, the old session was no longer known, `close`
+    returned at once, and the loop's end would have cut its shutdown short."""
+    from ledger.mcp.executor import _Connection
+
+    stubborn = McpUpstream(
+        command=(sys.executable, "-c",
+                 "import runpy, signal; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+                 " runpy.run_module('tests.mcp.sample_server', run_name='__main__')"),
+        env_secrets={"SAMPLE_MCP_EFFECTS": "sample_effects"},
+    )
+    secrets = {"sample_effects": str(tmp_path / "e.jsonl")}
+    before = _running_children("sample_server")
+    connection = _Connection(stubborn)
+    client = await connection.client(secrets, 20)
+    [old] = _running_children("sample_server") - before
+    busy = asyncio.ensure_future(client.call_tool("hang", {"seconds": 60}))
+    await asyncio.sleep(0.5)  # the server's loop is inside the call: it reads nothing now
+    caller = asyncio.ensure_future(connection.drop())
+    await asyncio.sleep(0.3)
+    caller.cancel()  # the first signal: `drop` halts the session and waits
+    await asyncio.sleep(0.2)
+    caller.cancel()  # the second: the wait is cut short
+    with contextlib.suppress(asyncio.CancelledError):
+        await caller
+    try:
+        await connection.client(secrets, 20)  # a new session replaces the old one
+        assert alive(old)  # SIGTERM was ignored: only the SDK's SIGKILL ends it
+        await connection.close()
+        assert not alive(old)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old, signal.SIGKILL)  # never left behind, whatever failed
+        with contextlib.suppress(BaseException):
+            await busy
+
+
 def test_an_executor_that_stops_after_a_call_was_cut_off_leaves_no_server_behind(
     tmp_path: Path,
 ) -> None:
