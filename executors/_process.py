@@ -70,6 +70,7 @@ from schemas import (
     ResultEnvelope,
     TrustLabel,
     WorkItem,
+    cancel_and_wait,
     canonical_json,
     result_message_id,
     sha256_hex,
@@ -210,18 +211,17 @@ class _ProgressAcks:
             self._timer.cancel()
             self._timer = None
         beating, self._beating = self._beating, None
-        if beating is not None and not beating.done():
-            beating.cancel()
-            await _ended(beating)
+        # Not `await task` under `suppress(CancelledError)`, which would also swallow a
+        # cancel of the caller arriving meanwhile (an executor stopping); and again
+        # until it ends, since nats-py may drop one cancel (`cancel_and_wait`).
+        await cancel_and_wait(beating)
 
 
-async def _ended(task: asyncio.Task[Any]) -> None:
-    """Wait for a task just cancelled to end. Not `await task` under
-    `suppress(CancelledError)`: that would also swallow a cancel of the caller that
-    arrives meanwhile (an executor stopping), and the caller would run on."""
-    await asyncio.wait({task})
-    if not task.cancelled():
-        task.exception()  # retrieved: its failure has no one else to go to
+def _hook(fn: Callable[..., Any], *args: Any) -> asyncio.Task[Any]:
+    """A tool's hook run in a task of its own, as `run` is: its context is a copy, so
+    what it sets (a context variable, an OpenTelemetry context it attached and left
+    attached) stays its own, not the item's, whose result carries trace headers."""
+    return asyncio.ensure_future(_invoke(fn, *args))
 
 
 class _Untrusted(Exception):
@@ -680,12 +680,12 @@ class ItemProcessor:
             async with asyncio.timeout(deadline - time.monotonic()):
                 return await run
         finally:
-            if watch is not None:
-                watch.cancel()
             if not run.done():
                 run.cancel()
-            if watch is not None:
-                await _ended(watch)
+            # Its check-in is a nats-py request, which on Python 3.11 may drop the
+            # cancel (found in review: the watch then kept checking in, and the item
+            # never ended): cancelled again until it ends.
+            await cancel_and_wait(watch)
 
     async def _watch_for_cancel(
         self, attempt: _Attempt, context: ToolContext, lease: LeaseFn
@@ -745,7 +745,7 @@ class ItemProcessor:
             if left <= 0:
                 raise TimeoutError  # no time left: the check is not started at all
             async with asyncio.timeout(left):
-                verdict = await _invoke(self.tool.check_preconditions, arguments, context)
+                verdict = await _hook(self.tool.check_preconditions, arguments, context)
         except TimeoutError:
             return self._failure(
                 attempt,
@@ -806,7 +806,7 @@ class ItemProcessor:
         started = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):
-                found = await _invoke(reconcile, attempt.operation_id, context)
+                found = await _hook(reconcile, attempt.operation_id, context)
             if not isinstance(found, Reconciliation):
                 raise TypeError(f"reconcile returned {type(found).__name__}")
         except Exception as exc:
@@ -941,7 +941,7 @@ class ItemProcessor:
             ), False
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
-                output = await _invoke(hook, arguments, context)
+                output = await _hook(hook, arguments, context)
         except ToolError as error:
             info = self._tool_error_info(error)
             message, _ = redact_text(info.message, self.redaction)
@@ -1049,7 +1049,7 @@ class ItemProcessor:
         if post is not None and check_post:
             try:
                 async with asyncio.timeout(max(context.seconds_left(self._clock()), 1.0)):
-                    problems = await _invoke(post, arguments, data, context)
+                    problems = await _hook(post, arguments, data, context)
             except Exception as exc:
                 self._log.warning("postcondition check failed: %s", type(exc).__name__)
                 raise _Untrusted(

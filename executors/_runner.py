@@ -236,24 +236,40 @@ class ExecutorRunner:
             finally:
                 await self._close()
         finally:
-            # Also when the run was cancelled (a second signal): the items are over
-            # either way, and what the tool holds (an MCP server process it started)
-            # must not outlive the executor.
-            await self._close_tool()
-            if server is not None:
-                server.shutdown()
+            try:
+                # Also when the run was cancelled (a second signal): the items are over
+                # either way, and what the tool holds (an MCP server process it started)
+                # must not outlive the executor.
+                await self._close_tool()
+            finally:
+                if server is not None:
+                    server.shutdown()
 
     async def _close_tool(self) -> None:
+        """Await the tool's `close` within `_TOOL_CLOSE_S`, in a task of its own that a
+        cancel of the run arriving meanwhile (another signal) does not cut short: cut
+        short, it would leave what it releases running (found in review: an MCP server
+        process outlived its executor). The cancel is raised once the close is over."""
         close = self.tool.close
         if close is None:
             return
-        try:
-            async with asyncio.timeout(_TOOL_CLOSE_S):
-                await close()
-        except TimeoutError:
+        closing = asyncio.ensure_future(close())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _TOOL_CLOSE_S
+        cancelled = False
+        while not closing.done() and (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait({closing}, timeout=left)
+            except asyncio.CancelledError:
+                cancelled = True
+        if not closing.done():
             self._log.warning("the tool did not close within %.0f s", _TOOL_CLOSE_S)
-        except Exception:  # the executor stops all the same; say why it did not close
-            self._log.exception("closing the tool failed")
+            closing.cancel()
+        elif not closing.cancelled() and (error := closing.exception()) is not None:
+            # The executor stops all the same; say why the tool did not close.
+            self._log.error("closing the tool failed", exc_info=error)
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _loop(self, consumer: PullConsumer) -> None:
         # Up to `batch_size` items in flight at once, pulling as slots free up.

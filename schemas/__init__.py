@@ -2,13 +2,15 @@
 
 Beside the formats, the wire layout every process shares: subjects, stream
 and consumer names, inbox prefixes, and `PullConsumer`, the one way any of
-them reads a JetStream work queue.
+them reads a JetStream work queue; and two guards each of them needs around
+nats-py: `drop_undecodable_messages` and `cancel_and_wait`.
 
 Every message that crosses a process boundary is one of these models. The
 same shapes are published as Draft 2020-12 JSON Schema files in
 `schemas/json/`, so a host written in any language can take part.
 """
 
+from schemas._cancel import cancel_and_wait
 from schemas._canonical import DIGEST_PATTERN, canonical_json, proposal_hash, sha256_hex
 from schemas._decision import (
     REPAIR_EXHAUSTED,
@@ -164,6 +166,7 @@ __all__ = [
     "ValidationIssue",
     "WorkItem",
     "WorkPurpose",
+    "cancel_and_wait",
     "canonical_json",
     "capture_tool_content",
     "check_token",

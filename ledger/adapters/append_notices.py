@@ -44,8 +44,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import psycopg
 from psycopg.sql import SQL, Identifier
 
-from ledger._tasks import cancel_and_wait
 from ledger.adapters.notices import notice_head, read_notice
+from schemas import cancel_and_wait
 
 __all__ = ["AppendNotices"]
 

@@ -28,7 +28,6 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from pydantic import BaseModel, ValidationError
 
-from ledger._tasks import cancel_and_wait
 from ledger.adapters.append_notices import AppendNotices
 from ledger.adapters.event_tables import StoredRow
 from ledger.adapters.recorders import ArrayInsertRecorder
@@ -67,6 +66,7 @@ from schemas import (
     ToolsReply,
     ToolsRequest,
     TraceAttr,
+    cancel_and_wait,
     context_from_headers,
     context_from_traceparent,
     current_traceparent,

@@ -41,7 +41,6 @@ from typing import Any, Generic, TypeVar
 
 from eventsourcing.persistence import IntegrityError
 
-from ledger._tasks import cancel_and_wait
 from ledger.adapters.failures import is_outage
 from ledger.domain.errors import InvalidArgument, LedgerError
 from ledger.domain.states import ResultDisposition
@@ -57,6 +56,7 @@ from schemas import (
     PlanStatus,
     PreviewReport,
     ResultEnvelope,
+    cancel_and_wait,
     ledger_operation_id,
 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -921,3 +922,30 @@ def test_the_decorator_builds_a_tool() -> None:
     with pytest.raises(ExecutorConfigError, match="api_key"):
         ItemProcessor(search, contract(READ), ProcessorOptions("e"))
     assert ItemProcessor(search, contract(READ), ProcessorOptions("e", secrets={"api_key": "k"}))
+
+
+_SET_BY_A_HOOK: contextvars.ContextVar[str] = contextvars.ContextVar("set_by_a_hook", default="")
+
+
+def test_what_a_hook_sets_in_its_context_stays_its_own() -> None:
+    """Each hook runs in a task of its own, as `run` does: a context variable (or an
+    OpenTelemetry context left attached) that a precondition sets is not the run's, nor
+    the rest of the item's, whose result carries trace headers from its context. Found in
+    review, when hooks stopped running under `wait_for` (which made them a task)."""
+    seen: list[str] = []
+
+    async def run(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        seen.append(_SET_BY_A_HOOK.get())
+        return READ_OUT
+
+    checked = Tool(name=READ, run=run)
+
+    @checked.precondition
+    async def _check(arguments: Mapping[str, Any], context: ToolContext) -> Precondition:
+        _SET_BY_A_HOOK.set("the precondition's")
+        return Precondition.ok()
+
+    lease = reply(LeaseDecision.EXECUTE, "op-1", READ, arguments=READ_ARGS, fencing_token=4)
+    process(ItemProcessor(checked, contract(READ), ProcessorOptions("exec-1")),
+            work_item("op-1", READ), FakeLedger(lease))
+    assert seen == [""]

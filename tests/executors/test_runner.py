@@ -485,3 +485,31 @@ def test_a_close_that_hangs_or_fails_does_not_keep_the_executor_from_stopping(
     assert ("tool closed",) in fake.events
     said = "did not close within" if failure == "hangs" else "closing the tool failed"
     assert any(said in record.getMessage() for record in caplog.records)
+
+
+def test_another_signal_during_the_close_does_not_cut_it_short() -> None:
+    """The first signal lets the items finish, then the tool closes. A second signal
+    (the run cancelled) during that close waits for it (within its bound), then the run
+    ends cancelled: cut short, the close would leave an MCP server process running
+    (found in review, on the real sample server)."""
+    fake = FakeNats({})
+    closing = asyncio.Event()
+
+    async def slow_close() -> None:
+        closing.set()
+        await asyncio.sleep(0.3)
+        fake.events.append(("close finished",))
+
+    async def main() -> None:
+        task = asyncio.get_running_loop().create_task(
+            _runner(fake, _closing_tool(fake.events, close=slow_close)).run()
+        )
+        await closing.wait()
+        task.cancel()  # the second signal
+        await asyncio.sleep(0.05)
+        task.cancel()  # and a third
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert ("close finished",) in fake.events

@@ -15,7 +15,6 @@ from datetime import UTC, datetime, timedelta
 from nats.aio.client import Client
 
 from ledger._recent import Recent
-from ledger._tasks import cancel_and_wait
 from ledger.adapters.event_tables import StoredRow
 from ledger.domain.event_kinds import event_kind
 from ledger.server.gateway import LedgerGateway
@@ -30,7 +29,7 @@ from ledger.server.relay.messages import (
 from ledger.server.relay.position import RelayPositions, SetAsideRecord
 from ledger.server.relay.publisher import Proof, RelayPublisher, SetAside
 from ledger.server.transient import log_failure
-from schemas import OperationStatus
+from schemas import OperationStatus, cancel_and_wait
 
 __all__ = ["Relay", "RelayPorts"]
 

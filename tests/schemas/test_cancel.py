@@ -1,4 +1,4 @@
-"""`ledger._tasks.cancel_and_wait`: a task that does not hear its first cancel still ends."""
+"""`schemas.cancel_and_wait`: a task that does not hear its first cancel still ends."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ledger._tasks import cancel_and_wait
+from schemas import cancel_and_wait
 
 pytestmark = pytest.mark.anyio
 

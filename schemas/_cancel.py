@@ -1,4 +1,8 @@
-"""`cancel_and_wait`: stop a task that may not hear its first cancel."""
+"""`cancel_and_wait`: stop a task that may not hear its first cancel.
+
+Every process stops loops that wait on nats-py (the ledger service's relay and
+consumers, an executor's check-ins and in-progress acks), hence its place beside
+`PullConsumer` and `drop_undecodable_messages`."""
 
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     the loop as the answer. A loop that was in such a call then goes on as if
     never told, and whoever waits for it to end waits for ever: a service whose
     `stop()` never returned (seen under load in the relay). Our own code uses
-    `asyncio.timeout` instead, which keeps the cancel; ruff's TID251 bans
-    `wait_for` in the packages.
+    `asyncio.timeout` instead, which keeps the cancel (ruff's TID251 bans
+    `wait_for` in the packages); nats-py also turns a cancel into an error in places
+    (`publish_async` stalled), which a loop may catch and go on from.
     """
     running = {task for task in tasks if task is not None}
     while running:
