@@ -309,14 +309,16 @@ class _Connection:
             self._closing.add(owner)  # held: a task nobody holds may be collected
             owner.add_done_callback(self._closed)
 
-    def _retire(self) -> None:
-        """Stop the current session without waiting for it to close."""
+    def _retire(self) -> asyncio.Task[None] | None:
+        """Hand the current session out no more and let it close in the background; the
+        task holding it (None: there was none)."""
         owner, stop = self._owner, self._stop
         self._client = None
         if stop is not None:
             stop.set()
         if owner is not None:
             self._keep_closing(owner)
+        return owner
 
     def _closed(self, owner: asyncio.Task[None]) -> None:
         self._closing.discard(owner)
@@ -351,12 +353,8 @@ class _Connection:
         probe = self._probe
         if probe is not None and not probe.done():
             probe.cancel()  # its answer no longer matters; a drop under way halts its session
-        owner, stop = self._owner, self._stop
-        self._client = None
-        if stop is not None:
-            stop.set()
-        sessions = {task for task in (*self._closing, owner) if task is not None}
-        await asyncio.gather(*(self._halt(task) for task in sessions if not task.done()))
+        self._retire()
+        await asyncio.gather(*(self._halt(task) for task in tuple(self._closing)))
         if probe is not None:
             await asyncio.wait({probe})  # its own halt is bounded as these are
 
@@ -368,10 +366,7 @@ class _Connection:
             # another call's, is not this one to close.
             await asyncio.wait({session}, timeout=5)
             return
-        owner, stop = self._owner, self._stop
-        self._client = None
-        if stop is not None:
-            stop.set()
+        owner = self._retire()  # among those closing too, should this wait be cut short
         if owner is None:
             return
         # Not `wait_for` under `suppress(CancelledError)`: that also swallowed a cancel
