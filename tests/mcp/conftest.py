@@ -97,6 +97,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+async def gone_within(seconds: float, *pids: int) -> bool:
+    """Whether every process of `pids` has ended (`alive`) within `seconds`; the loop
+    runs meanwhile (a session's shutdown on it may be what ends them)."""
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 def _stop(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.terminate()

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from mcp import StdioServerParameters
 
-from executors import ToolContext, ToolError
+from executors import Tool, ToolContext, ToolError
 from ledger.mcp import (
     CallIdentity,
     GatewaySettings,
@@ -35,7 +35,7 @@ from ledger.mcp import (
 from ledger.mcp.importer import write_drafts
 from policy import ContractError, ContractRegistry, parse_contract
 from schemas import RuntimeContext
-from tests.mcp.conftest import CONTRACTS, ROOT, alive
+from tests.mcp.conftest import CONTRACTS, ROOT, gone_within
 
 
 def _import(out: Path, *tools: str) -> list[Path]:
@@ -231,6 +231,23 @@ def test_a_stdio_server_gets_its_secrets_and_none_of_the_executors_settings(
     assert "hunter2" not in json.dumps(env) and "hunter3" not in json.dumps(env)
 
 
+def _never_answering(tmp_path: Path) -> tuple[Tool, Path]:
+    """`noop` on a stdio server that starts and never answers the handshake; the file
+    where that process writes its pid."""
+    pid_file = tmp_path / "pid"
+    hang = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+    upstream = McpUpstream(command=(sys.executable, "-c", hang, str(pid_file)))
+    return mcp_tool("noop", upstream), pid_file
+
+
+def _attempt(key: str, seconds: float) -> ToolContext:
+    """An attempt of host `h1`'s operation `key`, due in `seconds`."""
+    return ToolContext(
+        operation_id=f"h1/{key}", attempt=1, fencing_token=1,
+        deadline=datetime.now(UTC) + timedelta(seconds=seconds),
+    )
+
+
 @pytest.mark.anyio
 async def test_a_server_that_never_answers_is_unavailable_and_does_not_linger(
     tmp_path: Path,
@@ -238,13 +255,8 @@ async def test_a_server_that_never_answers_is_unavailable_and_does_not_linger(
     """An upstream that starts and never completes the handshake: the call is
     `UPSTREAM_UNAVAILABLE` (nothing was sent; retryable) before its deadline, not a hang
     until the runner's timeout, and the server process it started is stopped."""
-    pid_file = tmp_path / "pid"
-    hang = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
-    tool = mcp_tool("noop", McpUpstream(command=(sys.executable, "-c", hang, str(pid_file))))
-    context = ToolContext(
-        operation_id="h1/op-hang", attempt=1, fencing_token=1,
-        deadline=datetime.now(UTC) + timedelta(seconds=2),
-    )
+    tool, pid_file = _never_answering(tmp_path)
+    context = _attempt("op-hang", 2)
     started = time.monotonic()
     async def run() -> None:
         await tool.run({}, context)  # type: ignore[misc]  # mcp_tool's run is async
@@ -257,11 +269,7 @@ async def test_a_server_that_never_answers_is_unavailable_and_does_not_linger(
     assert time.monotonic() - started < 2.5
     assert failed.value.code == "UPSTREAM_UNAVAILABLE"
     assert failed.value.retryable and not failed.value.outcome_unknown
-    pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 10
-    while alive(pid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert not alive(pid)
+    assert await gone_within(10, int(pid_file.read_text()))
 
 
 @pytest.mark.anyio
@@ -272,36 +280,24 @@ async def test_a_call_behind_another_calls_connect_gives_up_within_its_own_time(
     left than the one connecting waited for that connect to end, past its own deadline,
     and the runner cut it off: a timeout, an unknown outcome, for a call that sent
     nothing. It now waits within its own connect time, and is `UPSTREAM_UNAVAILABLE`."""
-    pid_file = tmp_path / "pid"
-    hang = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
-    tool = mcp_tool("noop", McpUpstream(command=(sys.executable, "-c", hang, str(pid_file))))
-
-    def attempt(key: str, seconds: float) -> ToolContext:
-        return ToolContext(
-            operation_id=f"h1/{key}", attempt=1, fencing_token=1,
-            deadline=datetime.now(UTC) + timedelta(seconds=seconds),
-        )
+    tool, pid_file = _never_answering(tmp_path)
 
     async def run(context: ToolContext) -> None:
         await tool.run({}, context)  # type: ignore[misc]  # mcp_tool's run is async
 
-    first = asyncio.ensure_future(run(attempt("op-first", 4)))
+    first = asyncio.ensure_future(run(_attempt("op-first", 4)))
     await asyncio.sleep(0.2)  # the first call is connecting: the server never answers
     started = time.monotonic()
     with pytest.raises(ToolError) as behind:
         async with asyncio.timeout(1.5):  # the runner's deadline for the second call
-            await run(attempt("op-second", 1))
+            await run(_attempt("op-second", 1))
     assert time.monotonic() - started < 1.5
     assert behind.value.code == "UPSTREAM_UNAVAILABLE"
     assert behind.value.retryable and not behind.value.outcome_unknown
     with pytest.raises(ToolError) as connecting:
         await first
     assert connecting.value.code == "UPSTREAM_UNAVAILABLE"
-    pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 10
-    while alive(pid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert not alive(pid)
+    assert await gone_within(10, int(pid_file.read_text()))
 
 
 def test_two_tools_that_would_be_one_contract_are_refused_and_nothing_is_written(

@@ -29,7 +29,7 @@ from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolEr
 from ledger.mcp import McpConfigError
 from ledger.mcp.executor import McpUpstream, mcp_tool
 from tests.executors.helpers import context
-from tests.mcp.conftest import _stop, alive, start_sample_http_server
+from tests.mcp.conftest import _stop, alive, gone_within, start_sample_http_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -215,10 +215,7 @@ async def test_an_executor_stopping_while_a_session_closes_leaves_no_server_behi
         await caller
     with contextlib.suppress(Exception):
         await asyncio.wait_for(busy, timeout=5)
-    deadline = time.monotonic() + 15
-    while alive(server) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert not alive(server)
+    assert await gone_within(15, server)
 
 
 async def test_a_halt_cut_short_by_a_second_cancel_is_still_finished_by_close(
@@ -299,10 +296,7 @@ def test_an_executor_that_stops_after_a_call_was_cut_off_leaves_no_server_behind
     # executor's exit then waited for the server to end its 60 s call (62 s, checked).
     assert time.monotonic() - started < 30, "the executor waited for the server's call"
     assert len(servers) == 1
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in servers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in servers)
+    assert asyncio.run(gone_within(10, *servers))
 
 
 async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_call(
@@ -325,10 +319,7 @@ async def test_a_stdio_server_that_died_while_idle_is_started_anew_before_the_ca
     old_pid = before["pid"]
     assert isinstance(old_pid, int)
     os.kill(old_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while alive(old_pid) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert not alive(old_pid)
+    assert await gone_within(10, old_pid)
     await asyncio.sleep(0.5)  # the executor idles: its loop reads the pipe's end meanwhile
 
     after = await _run(tool, {"line": "after", "delay_ms": 0}, attempt("op-after"))
