@@ -218,8 +218,8 @@ class _ProgressAcks:
 
 
 def _hook(fn: Callable[..., Any], *args: Any) -> asyncio.Task[Any]:
-    """A tool's hook run in a task of its own, as `run` is: its context is a copy, so
-    what it sets (a context variable, an OpenTelemetry context it attached and left
+    """A tool's function (`run` or a hook) in a task of its own: its context is a copy,
+    so what it sets (a context variable, an OpenTelemetry context it attached and left
     attached) stays its own, not the item's, whose result carries trace headers."""
     return asyncio.ensure_future(_invoke(fn, *args))
 
@@ -650,7 +650,7 @@ class ItemProcessor:
         raises `_StoppedOnCancel` (the run is abandoned); too late, or no hook,
         and the call runs on to its outcome. `TimeoutError` at the deadline.
         """
-        run = asyncio.ensure_future(_invoke(self.tool.run, arguments, context))
+        run = _hook(self.tool.run, arguments, context)
         watch: asyncio.Task[bool] | None = None
         try:
             # Most calls finish within one progress interval, before any check-in is
