@@ -184,7 +184,12 @@ async def serve_until_stopped(runner: ExecutorRunner) -> None:
         if signals == 1:
             _log.info("stopping after the current item (signal again to abandon it)")
             runner.stop()
-        elif task is not None:
+            return
+        # The runner abandons its items itself: a cancel of the run alone may be
+        # dropped by nats-py as one of its waits completes, and the items then ran
+        # on. The cancel still cuts short whatever else the run is waiting for.
+        runner.abandon()
+        if task is not None:
             task.cancel()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -192,7 +197,7 @@ async def serve_until_stopped(runner: ExecutorRunner) -> None:
     try:
         await runner.run()
     except asyncio.CancelledError:
-        _log.warning("current item abandoned; it will be redelivered")
+        _log.warning("stopped at once; items in progress are redelivered")
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -53,6 +53,7 @@ from schemas import (
     ResultEnvelope,
     Subjects,
     TraceAttr,
+    cancel_and_wait,
     context_from_headers,
     drop_undecodable_messages,
     inbox_prefix,
@@ -178,6 +179,8 @@ class ExecutorRunner:
         self._pull = options.pull
         self._consumer: PullConsumer | None = None
         self._stop = asyncio.Event()
+        self._in_flight: set[asyncio.Task[ItemDisposition]] = set()
+        self._abandoning: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         """Set once the loop is subscribed for work and pulls."""
         self._nc: Any = None
@@ -209,6 +212,30 @@ class ExecutorRunner:
         self._stop.set()
         if self._consumer is not None:
             self._consumer.interrupt()  # a waiting `take` returns now, not at its timeout
+
+    def abandon(self) -> None:
+        """Stop, and abandon the items in progress (a second SIGTERM).
+
+        Each item's task is cancelled, again every half second until it has
+        ended: its result is not published, or not acknowledged, so the item is
+        redelivered after the consumer's ack wait and the ledger decides (busy
+        while the lease holds, then a retry or a reconcile). The loop then ends
+        as after `stop()`, and the connection is flushed and closed.
+
+        Cancelling the task that runs `run()` would abandon them too, but only if
+        the cancel reaches the loop: nats-py (on Python 3.11) drops a cancel that
+        lands as one of its waits completes, and the items then ran on to their
+        end (found in stop 37's review).
+        """
+        self.stop()
+        if self._abandoning is not None or not self._in_flight:
+            return
+        self._log.warning(
+            "abandoning %d item(s) in progress; they will be redelivered", len(self._in_flight)
+        )
+        self._abandoning = asyncio.get_running_loop().create_task(
+            cancel_and_wait(*self._in_flight)
+        )
 
     async def run(self) -> None:
         """Connect, start pulling from the tool's consumer and process work until `stop()`."""
@@ -277,7 +304,7 @@ class ExecutorRunner:
         # previous one's lease round trip and result PubAck: one executor
         # would do at most 1 / (two round trips) items per second, whatever
         # the batch size.
-        in_flight: set[asyncio.Task[ItemDisposition]] = set()
+        in_flight = self._in_flight
         try:
             while not self._stop.is_set():
                 free = self._batch - len(in_flight)
@@ -295,6 +322,7 @@ class ExecutorRunner:
                     await self._pause(1.0)
                     continue
                 for index, msg in enumerate(messages):
+                    # Also what keeps an item from starting after `abandon()`.
                     if self._stop.is_set():
                         # Nothing happened to these yet: let another executor have them now.
                         for rest in messages[index:]:
@@ -316,6 +344,8 @@ class ExecutorRunner:
         finally:
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
+            if self._abandoning is not None:
+                await asyncio.wait({self._abandoning})  # ends once its items have
 
     def _report_crash(self, task: asyncio.Task[ItemDisposition]) -> None:
         if not task.cancelled() and task.exception() is not None:

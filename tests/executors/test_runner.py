@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
@@ -24,6 +26,7 @@ from executors import (
     Tool,
     ToolContext,
 )
+from executors._main import serve_until_stopped
 from schemas import LeaseDecision, LeaseReply, LeaseRequest, PullConsumer, ResultEnvelope
 from tests.executors.helpers import contract, reply, work_item
 
@@ -513,3 +516,67 @@ def test_another_signal_during_the_close_does_not_cut_it_short() -> None:
 
     asyncio.run(main())
     assert ("close finished",) in fake.events
+
+
+class _DroppingDrain(FakeNats):
+    """A consumer whose takes wait until interrupted, and whose stop (nats-py drains
+    the inbox there) drops a cancel, as nats-py's waits do on Python 3.11 when the
+    cancel lands in the turn their answer does."""
+
+    def __init__(self, answers: Mapping[str, LeaseReply | bytes]) -> None:
+        super().__init__(answers)
+        self.interrupted = asyncio.Event()
+        self.draining = asyncio.Event()
+
+    async def take(self, capacity: int, timeout: float | None = None) -> list[FakeMsg]:
+        self.fetched.append(capacity)
+        self._timeout("take", timeout)
+        if self.batches:
+            return self.batches.pop(0)
+        await self.interrupted.wait()
+        return []
+
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
+    async def stop(self) -> list[FakeMsg]:
+        self.draining.set()
+        try:
+            await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            self.events.append(("cancel dropped",))
+        return []
+
+
+def test_a_second_signal_abandons_the_item_even_when_nats_drops_the_cancel() -> None:
+    """`serve_until_stopped` with real signals. The first lets the item run on; the
+    second abandons it. It lands while the loop drains the consumer, where nats-py may
+    drop a cancel: before, the second signal was only that cancel, it was lost, and the
+    item (which never ends here) kept the executor running; only a third signal ended
+    it. Now the runner cancels its items itself."""
+    fake = _DroppingDrain({"op-1": _execute("op-1")})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    running = asyncio.Event()
+
+    async def hangs(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        running.set()
+        await asyncio.Event().wait()
+        return OUTPUT
+
+    async def main() -> None:
+        runner = _runner(fake, _closing_tool(fake.events, hangs), batch_size=2)
+        serving = asyncio.get_running_loop().create_task(serve_until_stopped(runner))
+        await running.wait()
+        os.kill(os.getpid(), signal.SIGTERM)  # finish the item first
+        await fake.draining.wait()
+        await asyncio.sleep(0.05)
+        assert not serving.done()  # the first signal waits for the item
+        os.kill(os.getpid(), signal.SIGTERM)  # abandon it
+        async with asyncio.timeout(5):
+            await serving
+
+    asyncio.run(main())
+    assert ("cancel dropped",) in fake.events  # the situation the test is about
+    assert ("ack", "m1") not in fake.events and fake.published == []
+    assert fake.events.count(("tool closed",)) == 1
+    assert fake.events[-3:] == [("flush",), ("close",), ("tool closed",)]
