@@ -39,8 +39,8 @@ Two host modes (`--host-modes`):
 - `sdk`: `host.propose(...)` then `host.outcome(op)`, the SDK's own path
   (one outcome subscription per client; a status request only when no
   announcement came within the SDK's poll interval);
-- `watch`: `host.propose(...)`, and one wildcard subscription on
-  `ops.outcome.<host>.>` made before the run delivers every outcome.
+- `watch`: `host.propose(...)`, and every outcome as it comes through the SDK's
+  one subscription on `ops.outcome.<host>.>` (`on_outcome`), made before the run.
 
 During every phase the CPU time of every process is sampled from `/proc`,
 and printed as CPU milliseconds per operation, which says where an
@@ -133,7 +133,7 @@ from nats.js.api import (
 from ledger import StorageConfig, Submission, build_ledger
 from ledger.audit.seal import SealKey
 from ledger.client import AgentHostClient
-from ledger.nats import CredentialSet, NatsServer, connect_as, flush_all, generate_credentials
+from ledger.nats import CredentialSet, NatsServer, connect_as, generate_credentials
 from ledger.nats.security import LEDGER_USERS_END, new_user_seed
 from ledger.server.relay import RelayPositions
 from ledger.service import SubmitItem
@@ -141,6 +141,7 @@ from policy.catalog import CATALOG_DIR
 from schemas import (
     LeaseDecision,
     LeaseReply,
+    OperationStatus,
     Provenance,
     PullConsumer,
     ResultEnvelope,
@@ -859,7 +860,7 @@ class LedgerDriver(Driver):
         self.name = f"ledger/{mode}"
         self._nc: Client | None = None
         self._host: AgentHostClient | None = None
-        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self._waiting: dict[str, asyncio.Future[OperationStatus]] = {}
         self.timeline: dict[str, tuple[float, float]] | None = None
         """Set to a dict to record (sent, outcome received) wall-clock times per operation."""
 
@@ -868,15 +869,19 @@ class LedgerDriver(Driver):
         assert self.stack.credentials is not None
         self._nc = await connect_as(self.stack.url, self.stack.credentials.host(HOST),
                                     error_cb=_ignore_error)
-        self._host = AgentHostClient(self._nc, HOST, timeout=PROPOSE_TIMEOUT_S)
+        # Watch mode hears outcomes through the SDK's own subscription: a second one
+        # on the same subject had every outcome delivered twice to this process.
+        watching = self._on_outcome if self.mode == "watch" else None
+        self._host = AgentHostClient(
+            self._nc, HOST, timeout=PROPOSE_TIMEOUT_S, on_outcome=watching
+        )
         if self.mode == "watch":
-            await self._nc.subscribe(Subjects.all_outcomes(HOST), cb=self._on_outcome)
-            await flush_all(self._nc)  # subscribed before the first proposal goes out
+            await self._host.listen()  # subscribed before the first proposal goes out
 
-    async def _on_outcome(self, message: Any) -> None:
-        future = self._waiting.pop(message.subject.rsplit(".", 1)[-1], None)
+    def _on_outcome(self, status: OperationStatus) -> None:
+        future = self._waiting.pop(status.operation_id, None)
         if future is not None and not future.done():
-            future.set_result(message.data)
+            future.set_result(status)
 
     async def run_one(self, key: str) -> bool:
         """Propose `noop` and wait until the operation is final; True if it succeeded."""
@@ -899,16 +904,16 @@ class LedgerDriver(Driver):
                 return False
             status = await self._host.outcome(operation_id, timeout=OUTCOME_TIMEOUT_S)
             return status.state == "succeeded"
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[OperationStatus] = asyncio.get_running_loop().create_future()
         self._waiting[operation_id] = future
         try:
             reply = await self._host.propose(proposal, CONTEXT)
             if reply.state != "ready":
                 return False
-            data = await asyncio.wait_for(future, OUTCOME_TIMEOUT_S)
+            status = await asyncio.wait_for(future, OUTCOME_TIMEOUT_S)
         finally:
             self._waiting.pop(operation_id, None)
-        return bool(orjson.loads(data)["state"] == "succeeded")
+        return status.state == "succeeded"
 
     async def close(self) -> None:
         """Drain the host connection (close it if draining takes too long)."""

@@ -30,6 +30,7 @@ from opentelemetry.trace import SpanKind
 from pydantic import BaseModel, ValidationError
 
 from ledger._recent import Recent
+from ledger.nats.client import flush_all
 from schemas import (
     ApproverRequest,
     CancelRequest,
@@ -110,9 +111,15 @@ class AgentHostClient:
         poll_interval: float = 2.0,
         remembered: int = 4096,
         on_attention: Callable[[OperationStatus], object] | None = None,
+        on_outcome: Callable[[OperationStatus], object] | None = None,
     ) -> None:
         """`on_attention` is called with each notice that an operation, not final,
-        needs a person (`needs_resolution`); `attention` returns the last one."""
+        needs a person (`needs_resolution`); `attention` returns the last one.
+
+        `on_outcome` is called with each final status announced for this host's
+        operations, as it arrives (for a host that handles outcomes as events
+        rather than awaiting each one); `outcome()` returns them all the same.
+        Announcements start with the first `propose` or `outcome` (or `listen`)."""
         self._nc = nc
         self.host = check_token(host)
         self._timeout = timeout
@@ -127,6 +134,7 @@ class AgentHostClient:
         self._waiters: dict[str, list[asyncio.Future[OperationStatus]]] = {}
         self._attention: Recent[str, OperationStatus] = Recent(remembered)
         self._on_attention = on_attention
+        self._outcome_hook = on_outcome
 
     @classmethod
     async def connect(
@@ -139,6 +147,13 @@ class AgentHostClient:
     async def close(self) -> None:
         """Drain and close the connection."""
         await self._nc.drain()
+
+    async def listen(self) -> None:
+        """Subscribe to this host's outcome announcements now, if not yet (`propose`
+        and `outcome` do so first): outcomes of operations proposed before, by this
+        host's other processes, then reach `on_outcome` too."""
+        await self._listen()
+        await flush_all(self._nc, self._timeout)  # subscribed at the server on return
 
     async def _listen(self) -> None:
         """Subscribe to this host's outcome announcements (once)."""
@@ -165,6 +180,11 @@ class AgentHostClient:
                 except Exception:
                     _log.exception("on_attention failed for %s", status.operation_id)
             return
+        if self._outcome_hook is not None:
+            try:
+                self._outcome_hook(status)
+            except Exception:
+                _log.exception("on_outcome failed for %s", status.operation_id)
         waiters = self._waiters.pop(status.operation_id, None)
         if waiters:
             for waiter in waiters:

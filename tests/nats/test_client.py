@@ -184,3 +184,26 @@ async def test_a_refusal_from_a_ledger_before_the_error_envelope_is_still_a_refu
         with pytest.raises(RequestRefused) as refused:
             await client.status("op-old-err")
         assert refused.value.code == "OPERATION_NOT_FOUND"
+
+
+async def test_on_outcome_hears_each_final_status_once_as_it_comes(nats_env: NatsEnv) -> None:
+    """A host handling outcomes as events: each announcement of its own reaches
+    `on_outcome` once (a notice that a person is needed is not an outcome), and
+    `outcome()` still returns it without asking."""
+    heard: list[OperationStatus] = []
+    async with _parties(nats_env) as (stand_in, client):
+        client = AgentHostClient(client._nc, HOST, timeout=2, poll_interval=0.3,
+                                 on_outcome=heard.append)
+        await client.listen()
+        await stand_in.announce("op-1")  # proposed by another process of this host
+        await client.propose(_search("op-2"), ALICE)
+        notice = _status("op-2", "needs_resolution", False)
+        await stand_in.nc.publish(Subjects.outcome(HOST, "op-2"),
+                                  notice.model_dump_json().encode())
+        await stand_in.announce("op-2")
+        assert (await client.outcome("op-2", timeout=5)).final
+        await asyncio.sleep(0.1)
+    assert [(s.operation_id, s.state) for s in heard] == [
+        ("op-1", "succeeded"), ("op-2", "succeeded")
+    ]
+    assert stand_in.status_requests == []
