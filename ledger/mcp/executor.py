@@ -161,6 +161,7 @@ class _Connection:
         self._probe: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._scopes: dict[asyncio.Task[None], anyio.CancelScope] = {}
+        self._shut = False
         self.sends = SendLog(OPERATION_ID_META) if upstream.url is not None else None
         """Over HTTP: which keyed calls' requests may have reached the server (`SendLog`)."""
 
@@ -174,6 +175,12 @@ class _Connection:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         async with self._turn(deadline):
+            if self._shut:
+                # The executor stops: a session opened now would start a server process
+                # that nothing closes any more. Nothing was sent, so it may be retried.
+                raise UpstreamUnavailable(
+                    "the executor is stopping", upstream=self._upstream.describe()
+                )
             if self._probe is not None and not self._probe.done():
                 # A call was cut short on this session a moment ago: whether it still
                 # answers decides whether this call may go to it.
@@ -350,6 +357,7 @@ class _Connection:
         the SDK's shutdown short and left a server process it started running (found in
         review: a server busy in a call cut off by the deadline survived its executor).
         """
+        self._shut = True  # for good: no call opens a session after this
         probe = self._probe
         if probe is not None and not probe.done():
             probe.cancel()  # its answer no longer matters; a drop under way halts its session

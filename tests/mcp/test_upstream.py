@@ -26,7 +26,7 @@ from mcp import Client
 from mcp_types import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR
 
 from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolError
-from ledger.mcp import McpConfigError
+from ledger.mcp import McpConfigError, UpstreamUnavailable
 from ledger.mcp.executor import McpUpstream, mcp_tool
 from tests.executors.helpers import context
 from tests.mcp.conftest import _stop, alive, gone_within, start_sample_http_server
@@ -504,3 +504,22 @@ async def test_an_http_upstream_gets_the_bearer_token_from_the_executors_secrets
     # A token in the URL is refused outright: command lines and logs show URLs.
     with pytest.raises(McpConfigError, match="credentials"):
         McpUpstream(url=url.replace("http://", f"http://x:{token}@"))
+
+
+async def test_a_call_after_close_starts_no_server_and_is_not_sent(tmp_path: Path) -> None:
+    """Once closed (the executor stops), the connection opens no session: a call then is
+    `UPSTREAM_UNAVAILABLE` (nothing sent, retryable), and no server process is started
+    that nothing would close any more. Before, it opened a new session."""
+    from ledger.mcp.executor import _Connection
+
+    before = _running_children("tests.mcp.sample_server")
+    connection = _Connection(SAMPLE_OVER_STDIO)
+    secrets = {"sample_effects": str(tmp_path / "e.jsonl")}
+    await connection.client(secrets, 20)
+    [server] = _running_children("tests.mcp.sample_server") - before
+    await connection.close()
+    assert await gone_within(15, server)
+    with pytest.raises(UpstreamUnavailable) as refused:
+        await connection.client(secrets, 20)
+    assert refused.value.code == "UPSTREAM_UNAVAILABLE" and refused.value.retryable
+    assert _running_children("tests.mcp.sample_server") - before == set()
