@@ -11,8 +11,11 @@ The SDK does not say which: a connection error inside its transport ends the who
 session and reaches the caller as a closed connection, like an answer lost after
 the request went out. So the HTTP client under the SDK counts, per idempotency key
 (the operation ID every keyed call carries in `_meta`), the requests it was given
-and those that failed before a connection was open. The count is read only after
-the session is gone, so that no request of the call can still start.
+and those that failed before a connection was open. A request that got no
+connection is answered by the client itself (`NOT_CONNECTED`), so that only its
+own call fails and the session's other calls carry on; the count, not that code,
+says whether the call was sent. Where the session itself ended, the count is read
+only after it is gone, so that no request of the call can still start.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from typing import Any
 import httpx2
 import orjson
 
-__all__ = ["SendLog", "SendLoggingClient"]
+__all__ = ["NOT_CONNECTED", "SendLog", "SendLoggingClient"]
+
+NOT_CONNECTED = -32050
+"""The JSON-RPC error code of the answer `SendLoggingClient` makes up for a request that
+got no connection. A hint only: a server may send any code, so whether a call was sent
+is read from its `SendLog` count, never from this code."""
 
 _NOT_CONNECTED = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
 """Raised before a connection was open for the request: not one byte of it was sent."""
@@ -146,13 +154,52 @@ class SendLoggingClient(httpx2.AsyncClient):
         self._sends = sends
 
     async def send(self, request: httpx2.Request, **kwargs: Any) -> httpx2.Response:
-        """Send `request`, counting it (and whether it never got a connection)."""
+        """Send `request`, counting it (and whether it never got a connection).
+
+        A JSON-RPC request (one message with an `id`) that gets no connection is
+        answered here with a JSON-RPC error (`NOT_CONNECTED`, HTTP 503), which the SDK
+        hands to that request's caller alone. Raised, the connection error would end the
+        SDK's whole session, and every call in flight on it, answered or not, would
+        become an unknown outcome: a server draining for a restart, or one whose
+        backlog is full, refuses new connections while it answers those it holds.
+        """
         given = self._sends.given(request)
         connected = True
         try:
             return await super().send(request, **kwargs)
-        except _NOT_CONNECTED:
+        except _NOT_CONNECTED as error:
             connected = False
-            raise
+            request_id = _request_id(request)
+            if request_id is None:
+                raise  # a notification or a batch: as the SDK would have it
+            return httpx2.Response(
+                503,
+                headers={"content-type": "application/json"},
+                content=orjson.dumps({
+                    "jsonrpc": "2.0",
+                    "id": request_id,
+                    "error": {
+                        "code": NOT_CONNECTED,
+                        "message": f"no connection to the MCP server ({type(error).__name__})",
+                    },
+                }),
+                request=request,
+            )
         finally:
             self._sends.sent(given, connected=connected)
+
+
+def _request_id(request: httpx2.Request) -> str | int | None:
+    """The `id` of the one JSON-RPC request a POST carries; None for anything else."""
+    if request.method != "POST":
+        return None
+    try:
+        body = orjson.loads(request.content)
+    except (httpx2.RequestNotRead, orjson.JSONDecodeError):
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("method"), str):
+        return None
+    request_id = body.get("id")
+    if isinstance(request_id, bool) or not isinstance(request_id, str | int):
+        return None
+    return request_id

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from executors import (
     ToolError,
 )
 from ledger.mcp._errors import McpConfigError, UpstreamUnavailable
-from ledger.mcp._sends import SendLog, SendLoggingClient
+from ledger.mcp._sends import NOT_CONNECTED, SendLog, SendLoggingClient
 from ledger.mcp._transport import WatchedTransport, as_transport
 from policy import ToolContract
 from schemas import ErrorCategory
@@ -162,6 +162,10 @@ class _Connection:
         self._closing: set[asyncio.Task[None]] = set()
         self._scopes: dict[asyncio.Task[None], anyio.CancelScope] = {}
         self._shut = False
+        self._calls: dict[asyncio.Task[None], int] = {}
+        """Calls in flight per session (its owner task)."""
+        self._idle_stops: dict[asyncio.Task[None], asyncio.Event] = {}
+        """Sessions handed out no more that close once their last call is over."""
         self.sends = SendLog(OPERATION_ID_META) if upstream.url is not None else None
         """Over HTTP: which keyed calls' requests may have reached the server (`SendLog`)."""
 
@@ -332,6 +336,41 @@ class _Connection:
         if not owner.cancelled():
             owner.exception()  # retrieved: the owner logged how its session ended
 
+    @contextlib.contextmanager
+    def in_call(self, session: asyncio.Task[None] | None) -> Iterator[None]:
+        """While a call is in flight on `session`: counted, so that a session retired
+        when idle (`retire_when_idle`) closes once its last call is over."""
+        if session is None:
+            yield
+            return
+        self._calls[session] = self._calls.get(session, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._calls[session] - 1
+            if left:
+                self._calls[session] = left
+            else:
+                del self._calls[session]
+                idle_stop = self._idle_stops.pop(session, None)
+                if idle_stop is not None:
+                    idle_stop.set()
+
+    def retire_when_idle(self, session: asyncio.Task[None] | None) -> None:
+        """Hand `session` out no more, and close it once its calls in flight are over:
+        one of its requests got no connection (a server draining for a restart refuses
+        new ones while it answers those it holds), so the next call opens a new session,
+        while the calls on this one get their answers."""
+        if session is None or session is not self._owner or self._stop is None:
+            return  # replaced already
+        stop = self._stop
+        self._client = None
+        self._keep_closing(session)  # `close` still halts it, should the executor stop
+        if self._calls.get(session, 0):
+            self._idle_stops[session] = stop
+        else:
+            stop.set()
+
     def check_later(self, client: Client, session: asyncio.Task[None] | None) -> None:
         """A call on `session` was cut short (the runner's deadline) before the SDK's own
         timeout could tell: probe the session in the background and drop it if it no
@@ -370,8 +409,12 @@ class _Connection:
         """Close the session held by `session` (default: the current one) and wait until
         it has ended; the next call opens a new one."""
         if session is not None and session is not self._owner:
-            # Replaced already: whoever replaced it stopped it; the current session,
-            # another call's, is not this one to close.
+            # Replaced already: whoever replaced it stopped it, or it waits to be idle
+            # (then it is lost: it closes now); the current session, another call's, is
+            # not this one to close.
+            idle_stop = self._idle_stops.pop(session, None)
+            if idle_stop is not None:
+                idle_stop.set()
             await asyncio.wait({session}, timeout=5)
             return
         owner = self._retire()  # among those closing too, should this wait be cut short
@@ -485,7 +528,8 @@ def mcp_tool(
             meta[OPERATION_ID_META] = key  # type: ignore[literal-required]
             meta["idempotencyKey"] = key  # type: ignore[typeddict-unknown-key]
         sends = connection.sends if keyed else None
-        with sends.call(key) if sends is not None else contextlib.nullcontext() as reached:
+        with (sends.call(key) if sends is not None else contextlib.nullcontext() as reached,
+              connection.in_call(session)):
             try:
                 return await client.call_tool(
                     tool_name,
@@ -499,6 +543,14 @@ def mcp_tool(
                 connection.check_later(client, session)
                 raise
             except MCPError as error:
+                if error.code == NOT_CONNECTED and reached is not None and not reached():
+                    # None of this call's requests got a connection (the count says so,
+                    # not the code, which any server may send): nothing was sent. The
+                    # session keeps its calls in flight and takes no new one.
+                    connection.retire_when_idle(session)
+                    raise UpstreamUnavailable(
+                        "the MCP server could not be reached", upstream=upstream.describe()
+                    ) from None
                 # No JSON-RPC error proves the tool did not run: a running tool may raise
                 # any code after its effect (the SDK passes a handler's error through, and
                 # raises `INVALID_REQUEST` itself when a tool asks its client something

@@ -13,7 +13,7 @@ import httpx2
 import orjson
 import pytest
 
-from ledger.mcp._sends import SendLog, SendLoggingClient
+from ledger.mcp._sends import NOT_CONNECTED, SendLog, SendLoggingClient
 
 KEY_FIELD = "io.opledger/operationId"
 
@@ -109,7 +109,11 @@ def test_two_calls_with_one_key_each_see_the_other_calls_requests() -> None:
 @pytest.mark.anyio
 async def test_the_client_counts_a_refused_connection_as_not_connected() -> None:
     """A real refused connection through the client the executor uses (a port where
-    nothing listens), and a request that did connect (an in-process server)."""
+    nothing listens), and a request that did connect (an in-process server).
+
+    The refused request is answered with a JSON-RPC error for its own ID, which the SDK
+    hands to that request's caller alone (raised, the error ended the SDK's session and
+    every call in flight on it); a notification's is raised, as before."""
     log = SendLog(KEY_FIELD)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -118,9 +122,20 @@ async def test_the_client_counts_a_refused_connection_as_not_connected() -> None
     refused.url = httpx2.URL(f"http://127.0.0.1:{port}/mcp")
     async with SendLoggingClient(sends=log) as client:
         with log.call("op-1") as reached:
-            with pytest.raises(httpx2.ConnectError):
-                await client.send(refused)
+            made_up = await client.send(refused)
             assert not reached()
+        assert made_up.status_code == 503
+        assert orjson.loads(made_up.content) == {
+            "jsonrpc": "2.0", "id": 0,
+            "error": {"code": NOT_CONNECTED, "message": "no connection to the MCP server"
+                                                        " (ConnectError)"},
+        }
+        notification = httpx2.Request(
+            "POST", f"http://127.0.0.1:{port}/mcp",
+            content=orjson.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        )
+        with pytest.raises(httpx2.ConnectError):
+            await client.send(notification)
 
     def answer(request: httpx2.Request) -> httpx2.Response:
         return httpx2.Response(200, json={"jsonrpc": "2.0", "id": 0, "result": {}})

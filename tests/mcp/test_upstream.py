@@ -27,9 +27,11 @@ from mcp_types import INTERNAL_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_E
 
 from executors import ReconcileStatus, Reconciliation, Tool, ToolContext, ToolError
 from ledger.mcp import McpConfigError, UpstreamUnavailable
+from ledger.mcp._sends import NOT_CONNECTED
 from ledger.mcp.executor import McpUpstream, mcp_tool
 from tests.executors.helpers import context
 from tests.mcp.conftest import _stop, alive, gone_within, start_sample_http_server
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
@@ -109,12 +111,16 @@ async def test_one_calls_lost_answer_leaves_the_others_in_flight_alone(
     assert len(_sent(effects, "op-beside")) == 1
 
 
-@pytest.mark.parametrize("code", [INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR, INTERNAL_ERROR])
+@pytest.mark.parametrize(
+    "code", [INVALID_REQUEST, METHOD_NOT_FOUND, PARSE_ERROR, INTERNAL_ERROR, NOT_CONNECTED]
+)
 async def test_an_error_a_tool_raises_after_its_effect_is_an_unknown_outcome(
     upstream: tuple[str, Path], code: int
 ) -> None:
     """Codes that usually mean "refused", but a tool may raise any code after its effect:
-    no JSON-RPC error is taken as "nothing ran"."""
+    no JSON-RPC error is taken as "nothing ran". `NOT_CONNECTED` included, the code of
+    the answer the executor makes up for a request that got no connection: a server
+    sending it gains nothing, since the executor counts what it sent."""
     url, effects = upstream
     key = f"op-raised-{code}"
     tool = mcp_tool("append_then_raise", McpUpstream(url=url))
@@ -523,3 +529,95 @@ async def test_a_call_after_close_starts_no_server_and_is_not_sent(tmp_path: Pat
         await connection.client(secrets, 20)
     assert refused.value.code == "UPSTREAM_UNAVAILABLE" and refused.value.retryable
     assert _running_children("tests.mcp.sample_server") - before == set()
+
+
+class _Gate:
+    """A TCP forwarder in front of a server that can stop taking new connections while
+    those it holds carry on: a server draining for a restart, or one whose backlog is
+    full, as a client sees them (a connect refused, its other requests answered)."""
+
+    def __init__(self, target: int) -> None:
+        self.port = free_port()
+        self._target = target
+        self._listener: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def open(self) -> None:
+        self._listener = await asyncio.start_server(self._forward, "127.0.0.1", self.port)
+
+    async def shut(self) -> None:
+        """Refuse new connections (the listening socket is closed); open ones go on."""
+        assert self._listener is not None
+        self._listener.close()
+        self._listener = None
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self.shut()
+        for pipe in self._pipes:
+            pipe.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except OSError:
+                pass
+            finally:
+                sink.close()
+
+        for task in (asyncio.ensure_future(pipe(reader, up_writer)),
+                     asyncio.ensure_future(pipe(up_reader, writer))):
+            self._pipes.add(task)
+            task.add_done_callback(self._pipes.discard)
+
+
+async def test_a_call_that_gets_no_connection_leaves_the_calls_in_flight_alone(
+    tmp_path: Path,
+) -> None:
+    """The server stops taking connections while a call runs on one it holds (a server
+    draining for a rolling restart). The next call's request gets no connection: it is
+    `UPSTREAM_UNAVAILABLE`, retryable, and the call in flight still gets its answer.
+    Before, the SDK ended the whole session on that one connection error, and the call
+    in flight, answered or not, became `UPSTREAM_NO_ANSWER`: an unknown outcome, for a
+    lookup or a person. The session then takes no new call: once it is idle it closes,
+    and the call after the server is back opens a new one."""
+    effects = tmp_path / "effects.jsonl"
+    server, url = start_sample_http_server(tmp_path, effects)
+    gate = _Gate(int(url.rsplit(":", 1)[1].split("/")[0]))
+    await gate.open()
+    tool = mcp_tool("append_log", McpUpstream(url=f"http://127.0.0.1:{gate.port}/mcp"))
+    started = effects.with_name(effects.name + ".started")
+    try:
+        warm = await _run(tool, {"line": "warm", "delay_ms": 0}, context("op-warm", seconds=20))
+        assert warm == {"line": "warm", "count": 1}
+        slow = asyncio.ensure_future(
+            _run(tool, {"line": "slow", "delay_ms": 2000}, context("op-slow", seconds=20))
+        )
+        deadline = time.monotonic() + 10
+        while "op-slow" not in (started.read_text() if started.exists() else ""):
+            assert time.monotonic() < deadline and not slow.done()
+            await asyncio.sleep(0.05)
+        await gate.shut()
+        with pytest.raises(ToolError) as refused:
+            await _run(tool, {"line": "refused", "delay_ms": 0},
+                       context("op-refused", seconds=20))
+        assert refused.value.code == "UPSTREAM_UNAVAILABLE"
+        assert refused.value.retryable and not refused.value.outcome_unknown
+        assert await slow == {"line": "slow", "count": 2}
+        assert _sent(effects, "op-refused") == []
+        await gate.open()  # back
+        after = await _run(tool, {"line": "after", "delay_ms": 0},
+                           context("op-after", seconds=20))
+        assert after == {"line": "after", "count": 3}
+    finally:
+        await gate.close()
+        _stop(server)
+        close = tool.close
+        if close is not None:
+            await close()
