@@ -169,9 +169,14 @@ class SendLoggingClient(httpx2.AsyncClient):
             return await super().send(request, **kwargs)
         except _NOT_CONNECTED as error:
             connected = False
-            request_id = _request_id(request)
-            if request_id is None:
-                raise  # a notification or a batch: as the SDK would have it
+            method, request_id = _message(request)
+            if method == "notifications/cancelled":
+                # A courtesy cancel: not delivered, harmless; raised, it ended the session.
+                return httpx2.Response(202, request=request)
+            if request_id is None or method in ("server/discover", "initialize"):
+                # A notification or a batch; or the handshake, where the SDK's `auto` mode
+                # would take any JSON-RPC error as "legacy server" and downgrade the session.
+                raise
             return httpx2.Response(
                 503,
                 headers={"content-type": "application/json"},
@@ -189,17 +194,17 @@ class SendLoggingClient(httpx2.AsyncClient):
             self._sends.sent(given, connected=connected)
 
 
-def _request_id(request: httpx2.Request) -> str | int | None:
-    """The `id` of the one JSON-RPC request a POST carries; None for anything else."""
+def _message(request: httpx2.Request) -> tuple[str | None, str | int | None]:
+    """The method and `id` of the one JSON-RPC message a POST carries (None, None else)."""
     if request.method != "POST":
-        return None
+        return None, None
     try:
         body = orjson.loads(request.content)
     except (httpx2.RequestNotRead, orjson.JSONDecodeError):
-        return None
+        return None, None
     if not isinstance(body, dict) or not isinstance(body.get("method"), str):
-        return None
+        return None, None
     request_id = body.get("id")
     if isinstance(request_id, bool) or not isinstance(request_id, str | int):
-        return None
-    return request_id
+        return body["method"], None
+    return body["method"], request_id

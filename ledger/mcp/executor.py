@@ -189,6 +189,10 @@ class _Connection:
                 # A call was cut short on this session a moment ago: whether it still
                 # answers decides whether this call may go to it.
                 await asyncio.wait({self._probe}, timeout=max(deadline - loop.time(), 0))
+                if self._shut:  # closed meanwhile: open nothing that `close` would miss
+                    raise UpstreamUnavailable(
+                        "the executor is stopping", upstream=self._upstream.describe()
+                    )
             if self._client is not None and self._owner is not None and not self._owner.done():
                 if self._transport is None or not self._transport.ended:
                     return self._client
@@ -382,7 +386,11 @@ class _Connection:
         self._probe = asyncio.create_task(self._probe_session(client, session))
 
     async def _probe_session(self, client: Client, session: asyncio.Task[None]) -> None:
-        if not await _still_answers(client):
+        answers = await _still_answers(client)
+        if answers is None:
+            self.retire_when_idle(session)  # no new connection: the calls in flight go on
+            return
+        if not answers:
             _log.warning("the MCP server at %s no longer answers; the next call opens a new"
                          " session", self._upstream.describe())
             await self.drop(session)
@@ -474,13 +482,16 @@ _PROBE_S = 2.0
 """How long a session that failed a call has to answer `tools/list` before it is dropped."""
 
 
-async def _still_answers(client: Client) -> bool:
+async def _still_answers(client: Client) -> bool | None:
     """Whether the session still answers a request: a hung server or an expired session
     does not, and is dropped. `tools/list`, which every server of tools answers, and not
-    a ping: the 2026-07-28 revision removed ping."""
+    a ping: the 2026-07-28 revision removed ping. None: the probe got no connection (the
+    server takes none now), which says nothing of the session's calls in flight."""
     try:
         with anyio.fail_after(_PROBE_S):
             await client.list_tools()
+    except MCPError as error:
+        return None if error.code == NOT_CONNECTED else False
     except Exception:  # a timeout, an MCPError, a closed stream: not answering
         return False
     return True
@@ -564,7 +575,20 @@ def mcp_tool(
                 # calls in flight beside this one, unless it no longer answers at all (a
                 # hung server, an expired session): then it goes, and the next call opens
                 # anew.
-                session_lost = error.code in _SESSION_LOST or not await _still_answers(client)
+                if error.code == NOT_CONNECTED:
+                    # This request got no connection (the count said "may have reached" for
+                    # another reason): the session's other calls go on; it takes no new one.
+                    connection.retire_when_idle(session)
+                    session_lost = False
+                elif error.code in _SESSION_LOST:
+                    session_lost = True
+                else:
+                    answers = await _still_answers(client)
+                    if answers is None:
+                        # The probe got no connection: the server is draining or full,
+                        # and the calls in flight on this session may still be answered.
+                        connection.retire_when_idle(session)
+                    session_lost = answers is False
             except (TimeoutError, anyio.ClosedResourceError, anyio.BrokenResourceError,
                     httpx2.HTTPError, OSError) as error:
                 no_answer, session_lost = error, True

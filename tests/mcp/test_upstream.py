@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -621,3 +622,153 @@ async def test_a_call_that_gets_no_connection_leaves_the_calls_in_flight_alone(
         close = tool.close
         if close is not None:
             await close()
+
+
+async def _draining(
+    tmp_path: Path, *, lookup_tool: str | None = None
+) -> tuple[subprocess.Popen[bytes], _Gate, Tool, Path]:
+    """The sample server over HTTP behind a gate, and a tool warmed up on it."""
+    effects = tmp_path / "effects.jsonl"
+    server, url = start_sample_http_server(tmp_path, effects)
+    gate = _Gate(int(url.rsplit(":", 1)[1].split("/")[0]))
+    await gate.open()
+    tool = mcp_tool("append_log", McpUpstream(url=f"http://127.0.0.1:{gate.port}/mcp"),
+                    lookup_tool=lookup_tool)
+    await _run(tool, {"line": "warm", "delay_ms": 0}, context("op-warm", seconds=20))
+    return server, gate, tool, effects
+
+
+async def _in_flight(tool: Tool, effects: Path, key: str, delay_ms: int) -> asyncio.Future[Any]:
+    """A call of `delay_ms` that the server has started."""
+    started = effects.with_name(effects.name + ".started")
+    call = asyncio.ensure_future(
+        _run(tool, {"line": key, "delay_ms": delay_ms}, context(key, seconds=20))
+    )
+    deadline = time.monotonic() + 10
+    while key not in (started.read_text() if started.exists() else ""):
+        assert time.monotonic() < deadline and not call.done()
+        await asyncio.sleep(0.05)
+    return call
+
+
+async def test_a_lookup_that_gets_no_connection_leaves_the_calls_in_flight_alone(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a lookup (sent without a key, so not counted as a call) that got
+    no connection during a drain took the path of an error the server sent: the probe
+    that followed got no connection either, the session was dropped, and the call in
+    flight on it became an unknown outcome. A probe without a connection now says
+    nothing of the session: it only takes no new call."""
+    server, gate, tool, effects = await _draining(tmp_path, lookup_tool="lookup_call")
+    try:
+        slow = await _in_flight(tool, effects, "op-slow", 2000)
+        await gate.shut()
+        looked_up = await _reconcile(tool, "op-other")
+        assert looked_up.status is ReconcileStatus.UNKNOWN  # the lookup did not answer
+        assert await slow == {"line": "op-slow", "count": 2}
+    finally:
+        await gate.close()
+        _stop(server)
+        if tool.close is not None:
+            await tool.close()
+
+
+async def test_a_cancel_that_gets_no_connection_leaves_the_calls_in_flight_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: against a server of an older revision the SDK sends a call cut
+    off by the runner's deadline a `notifications/cancelled` POST. During a drain it got
+    no connection, the client raised, and the SDK ended the session: the call in flight
+    beside it became an unknown outcome. A cancel that cannot be delivered is now taken
+    as sent (it is a courtesy)."""
+    import functools
+
+    import mcp
+
+    import ledger.mcp.executor
+
+    monkeypatch.setattr(ledger.mcp.executor, "Client",
+                        functools.partial(mcp.Client, mode="legacy"))
+    server, gate, tool, effects = await _draining(tmp_path)
+    try:
+        slow = await _in_flight(tool, effects, "op-slow", 3000)
+        cut = asyncio.ensure_future(
+            _run(tool, {"line": "cut", "delay_ms": 3000}, context("op-cut", seconds=20))
+        )
+        await asyncio.sleep(0.3)  # its request has its connection, behind op-slow's
+        await gate.shut()
+        await asyncio.sleep(0.2)
+        cut.cancel()  # the runner's deadline: the SDK posts its cancel, refused
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+        assert await slow == {"line": "op-slow", "count": 2}
+    finally:
+        await gate.close()
+        _stop(server)
+        if tool.close is not None:
+            await tool.close()
+
+
+async def test_a_refused_connect_at_session_open_does_not_downgrade_the_protocol(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the SDK falls back to the older handshake on any JSON-RPC error
+    from `server/discover`. Answered with one, a single refused connect at session open
+    gave a session of the older revision for its whole life. The handshake's connection
+    errors are raised as before: that session does not open (`UPSTREAM_UNAVAILABLE`),
+    and the next one negotiates the current revision."""
+    import httpx2
+
+    from ledger.mcp.executor import _Connection
+
+    server, url = start_sample_http_server(tmp_path, tmp_path / "effects.jsonl")
+    refusals = [1]
+    real_send = httpx2.AsyncClient.send
+
+    async def refusing(self: Any, request: Any, **options: Any) -> Any:
+        if refusals[0] and request.method == "POST":
+            refusals[0] -= 1
+            raise httpx2.ConnectError("[Errno 111] Connection refused")
+        return await real_send(self, request, **options)
+
+    monkeypatch.setattr(httpx2.AsyncClient, "send", refusing)
+    connection = _Connection(McpUpstream(url=url))
+    try:
+        with pytest.raises(UpstreamUnavailable):
+            await connection.client({}, 20)
+        client = await connection.client({}, 20)
+        assert client.protocol_version == "2026-07-28"
+    finally:
+        await connection.close()
+        _stop(server)
+
+
+async def test_a_call_waiting_for_a_probe_as_the_tool_closes_opens_no_session(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a call waiting for a probe's answer inside `client()` when the
+    tool closed then opened a new session, and a server process nothing closes."""
+    before = _running_children("tests.mcp.sample_server")
+    tool = mcp_tool("hang", SAMPLE_OVER_STDIO)
+    effects = tmp_path / "e.jsonl"
+    assert await _run(tool, {"seconds": 0}, _stdio_attempt(effects, "op-warm", 30)) == {
+        "ok": True
+    }
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):  # the runner's deadline: the probe starts
+                await _run(tool, {"seconds": 3}, _stdio_attempt(effects, "op-hung", 30))
+        waiting = asyncio.ensure_future(
+            _run(tool, {"seconds": 0}, _stdio_attempt(effects, "op-next", 30))
+        )
+        await asyncio.sleep(0.2)  # inside `client()`, waiting for the probe
+        assert tool.close is not None
+        await tool.close()
+        with pytest.raises(ToolError) as stopping:
+            await waiting
+        assert stopping.value.code == "UPSTREAM_UNAVAILABLE"
+        await asyncio.sleep(0.5)
+        assert _running_children("tests.mcp.sample_server") - before == set()
+    finally:
+        for pid in _running_children("tests.mcp.sample_server") - before:
+            os.kill(pid, signal.SIGKILL)
