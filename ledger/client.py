@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, Literal
@@ -119,7 +120,15 @@ class AgentHostClient:
         `on_outcome` is called with each final status announced for this host's
         operations, as it arrives (for a host that handles outcomes as events
         rather than awaiting each one); `outcome()` returns them all the same.
-        Announcements start with the first `propose` or `outcome` (or `listen`)."""
+        Announcements start with the first `propose` or `outcome` (or `listen`). At
+        least once: the ledger publishes a notice again when it cannot tell that one
+        was delivered, so a handler keys what it does by the operation ID.
+
+        Both are called, not awaited: a coroutine function is refused (`TypeError`);
+        schedule async work from a plain function."""
+        for name, hook in (("on_attention", on_attention), ("on_outcome", on_outcome)):
+            if inspect.iscoroutinefunction(hook):
+                raise TypeError(f"{name} is called, not awaited: pass a plain function")
         self._nc = nc
         self.host = check_token(host)
         self._timeout = timeout

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 from nats.aio.client import Client
@@ -186,9 +187,9 @@ async def test_a_refusal_from_a_ledger_before_the_error_envelope_is_still_a_refu
         assert refused.value.code == "OPERATION_NOT_FOUND"
 
 
-async def test_on_outcome_hears_each_final_status_once_as_it_comes(nats_env: NatsEnv) -> None:
+async def test_on_outcome_hears_each_final_status_as_it_comes(nats_env: NatsEnv) -> None:
     """A host handling outcomes as events: each announcement of its own reaches
-    `on_outcome` once (a notice that a person is needed is not an outcome), and
+    `on_outcome` (a notice that a person is needed is not an outcome), and
     `outcome()` still returns it without asking."""
     heard: list[OperationStatus] = []
     async with _parties(nats_env) as (stand_in, client):
@@ -207,3 +208,17 @@ async def test_on_outcome_hears_each_final_status_once_as_it_comes(nats_env: Nat
         ("op-1", "succeeded"), ("op-2", "succeeded")
     ]
     assert stand_in.status_requests == []
+
+
+def test_an_async_hook_is_refused_rather_than_never_awaited() -> None:
+    """Found in review: an `async def` hook was accepted, called, and its coroutine
+    never awaited: the host heard nothing."""
+
+    async def heard(status: OperationStatus) -> None:
+        pass
+
+    nc = cast("Client", object())
+    with pytest.raises(TypeError, match="on_outcome is called, not awaited"):
+        AgentHostClient(nc, HOST, on_outcome=heard)
+    with pytest.raises(TypeError, match="on_attention is called, not awaited"):
+        AgentHostClient(nc, HOST, on_attention=heard)
