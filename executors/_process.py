@@ -217,6 +217,35 @@ class _ProgressAcks:
         await cancel_and_wait(beating)
 
 
+_RUN_STOP_S = 1.0
+"""How long a tool's cancelled call has to end before its item ends without it."""
+
+
+async def _ended_within(run: asyncio.Task[Any], seconds: float) -> None:
+    """Wait (up to `seconds`) until the cancelled `run` has ended, also through further
+    cancels of the caller, raised once the wait is over.
+
+    The tool's call runs in a task of its own, cancelled when its item stops (a
+    deadline, a cancel, a second SIGTERM). Not waited for, a call still unwinding (an
+    MCP call telling its server it was cancelled) or one that takes a while over its
+    cancel outlived its item, and, when the executor stopped, the tool's `close` (found
+    in review). A call in a worker thread (`_invoke`) ends at once here: its thread
+    cannot be stopped and is not waited for.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    cancelled = False
+    while not run.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait({run}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    if run.done() and not run.cancelled():
+        run.exception()  # retrieved: what a call cut off raised is not its item's
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 def _hook(fn: Callable[..., Any], *args: Any) -> asyncio.Task[Any]:
     """A tool's function (`run` or a hook) in a task of its own: its context is a copy,
     so what it sets (a context variable, an OpenTelemetry context it attached and left
@@ -682,6 +711,7 @@ class ItemProcessor:
         finally:
             if not run.done():
                 run.cancel()
+                await _ended_within(run, _RUN_STOP_S)
             # Its check-in is a nats-py request, which on Python 3.11 may drop the
             # cancel (found in review: the watch then kept checking in, and the item
             # never ended): cancelled again until it ends.

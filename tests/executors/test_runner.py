@@ -580,3 +580,40 @@ def test_a_second_signal_abandons_the_item_even_when_nats_drops_the_cancel() -> 
     assert ("ack", "m1") not in fake.events and fake.published == []
     assert fake.events.count(("tool closed",)) == 1
     assert fake.events[-3:] == [("flush",), ("close",), ("tool closed",)]
+
+
+def test_an_abandoned_items_tool_call_ends_before_the_tool_closes() -> None:
+    """Found in review: a second signal re-cancels the item until it ends, but the tool's
+    call runs in a task of its own, which was cancelled once and not waited for: a call
+    that takes a moment over its cancel (here it drops one, as nats-py may, then works
+    on for 0.2 s) went on after its item, after the tool's `close`, and after the
+    executor's own end."""
+    fake = _DroppingDrain({"op-1": _execute("op-1")})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    running = asyncio.Event()
+
+    async def slow_to_stop(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        running.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            fake.events.append(("tool call cancelled",))
+        await asyncio.sleep(0.2)
+        fake.events.append(("tool call ended",))
+        return OUTPUT
+
+    async def main() -> None:
+        runner = _runner(fake, _closing_tool(fake.events, slow_to_stop), batch_size=2)
+        serving = asyncio.get_running_loop().create_task(serve_until_stopped(runner))
+        await running.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await fake.draining.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+        async with asyncio.timeout(5):
+            await serving
+        fake.events.append(("executor ended",))
+
+    asyncio.run(main())
+    assert ("ack", "m1") not in fake.events and fake.published == []
+    ended = fake.events.index(("tool call ended",))
+    assert ended < fake.events.index(("tool closed",)) < fake.events.index(("executor ended",))
