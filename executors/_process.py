@@ -221,9 +221,10 @@ _RUN_STOP_S = 1.0
 """How long a tool's cancelled call has to end before its item ends without it."""
 
 
-async def _ended_within(run: asyncio.Task[Any], seconds: float) -> None:
+async def _ended_within(run: asyncio.Task[Any], seconds: float) -> bool:
     """Wait (up to `seconds`) until the cancelled `run` has ended, also through further
-    cancels of the caller, raised once the wait is over.
+    cancels of the caller; True if the caller was cancelled meanwhile (its caller raises
+    that once what it must still do is done).
 
     The tool's call runs in a task of its own, cancelled when its item stops (a
     deadline, a cancel, a second SIGTERM). Not waited for, a call still unwinding (an
@@ -242,8 +243,7 @@ async def _ended_within(run: asyncio.Task[Any], seconds: float) -> None:
             cancelled = True
     if run.done() and not run.cancelled():
         run.exception()  # retrieved: what a call cut off raised is not its item's
-    if cancelled:
-        raise asyncio.CancelledError
+    return cancelled
 
 
 def _hook(fn: Callable[..., Any], *args: Any) -> asyncio.Task[Any]:
@@ -681,6 +681,7 @@ class ItemProcessor:
         """
         run = _hook(self.tool.run, arguments, context)
         watch: asyncio.Task[bool] | None = None
+        stopping = False
         try:
             # Most calls finish within one progress interval, before any check-in is
             # due: they get no check-in task (with the in-progress acks' task, two
@@ -703,19 +704,37 @@ class ItemProcessor:
                     return run.result()
                 if watch in done and watch.result():
                     run.cancel()
+                    stopping = True
+                    if await _ended_within(run, _RUN_STOP_S):
+                        raise asyncio.CancelledError
+                    if run.done() and not run.cancelled() and run.exception() is None:
+                        # The hook said it stopped, yet the call ended with its output:
+                        # that is what happened (found in review: it was dropped).
+                        return run.result()
                     raise _StoppedOnCancel
             # Too late to stop, nothing asked, or the deadline within one interval: the
-            # call runs to its deadline.
-            async with asyncio.timeout(deadline - time.monotonic()):
-                return await run
+            # call runs to its deadline. Waited for, not awaited: an await passes a
+            # cancel of the item on to the call and waits however long the call takes
+            # to stop (found in review); the `finally` bounds that wait.
+            done, _ = await asyncio.wait({run}, timeout=max(deadline - time.monotonic(), 0))
+            if run in done:
+                return run.result()
+            raise TimeoutError
         finally:
-            if not run.done():
-                run.cancel()
-                await _ended_within(run, _RUN_STOP_S)
             # Its check-in is a nats-py request, which on Python 3.11 may drop the
             # cancel (found in review: the watch then kept checking in, and the item
-            # never ended): cancelled again until it ends.
+            # never ended): cancelled first, since the wait for the call below may be
+            # cut short, then again until it ends.
+            if watch is not None:
+                watch.cancel()
+            cancelled = False
+            if not run.done():
+                run.cancel()
+                if not stopping:  # waited for once already
+                    cancelled = await _ended_within(run, _RUN_STOP_S)
             await cancel_and_wait(watch)
+            if cancelled:
+                raise asyncio.CancelledError
 
     async def _watch_for_cancel(
         self, attempt: _Attempt, context: ToolContext, lease: LeaseFn

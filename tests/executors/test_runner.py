@@ -5,10 +5,12 @@ server are tested in `tests/nats/test_pull.py` and with the NATS topology."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
@@ -617,3 +619,134 @@ def test_an_abandoned_items_tool_call_ends_before_the_tool_closes() -> None:
     assert ("ack", "m1") not in fake.events and fake.published == []
     ended = fake.events.index(("tool call ended",))
     assert ended < fake.events.index(("tool closed",)) < fake.events.index(("executor ended",))
+
+
+def test_an_abandoned_items_check_ins_end_with_it() -> None:
+    """Found in review: when the tool's call took longer than the re-cancel's half second
+    over its cancel, the wait for it swallowed the cancel that would have ended the
+    item's check-in task: it kept checking in after its item, the tool's close and the
+    NATS close."""
+    fake = _DroppingDrain({"op-1": _execute("op-1")})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    running = asyncio.Event()
+    left: list[str] = []
+
+    async def slow_to_stop(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        running.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        await asyncio.sleep(0.7)  # past the re-cancel's 0.5 s
+        return OUTPUT
+
+    async def main() -> None:
+        runner = _runner(fake, _closing_tool(fake.events, slow_to_stop), batch_size=2,
+                         heartbeat_interval_s=0.1)
+        serving = asyncio.get_running_loop().create_task(serve_until_stopped(runner))
+        await running.wait()
+        await asyncio.sleep(0.3)  # the item checks in
+        os.kill(os.getpid(), signal.SIGTERM)
+        await fake.draining.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+        async with asyncio.timeout(5):
+            await serving
+        fake.events.append(("executor ended",))
+        await asyncio.sleep(0.3)
+        left.extend(repr(task.get_coro()) for task in asyncio.all_tasks()
+                    if task is not asyncio.current_task())
+
+    asyncio.run(main())
+    closed = fake.events.index(("tool closed",))
+    assert [event for event in fake.events[closed:] if event[0] == "lease"] == []
+    assert left == []
+
+
+def test_a_call_that_ends_with_its_output_after_a_cancel_reports_it() -> None:
+    """Found in review: the cancel hook said the call stopped before any effect, but the
+    call ended with its output while the executor waited for it to stop; the output was
+    dropped and the call reported cancelled before any effect. What happened is
+    published instead."""
+
+    class CancelOnCheckIn(FakeNats):
+        async def request(
+            self, subject: str, payload: bytes, timeout: float | None = None,
+            headers: dict[str, str] | None = None,
+        ) -> Any:
+            answer = await super().request(subject, payload, timeout, headers)
+            self.answers = {
+                "op-1": reply(LeaseDecision.CANCEL, "op-1", TOOL, fencing_token=5, attempt=2)
+            }
+            return answer
+
+    fake = CancelOnCheckIn({"op-1": reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS,
+                                          fencing_token=5, attempt=2, timeout_ms=30000)})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+
+    async def committing(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.3)  # the write was committing: it completes
+        await asyncio.sleep(0.1)
+        return OUTPUT
+
+    tool = _tool(committing)
+
+    @tool.canceller
+    async def cancel(operation_id: str, context: ToolContext) -> bool:
+        return True  # "stopped before any effect"
+
+    asyncio.run(_runner(fake, tool, heartbeat_interval_s=0.1).run())
+    envelope = json.loads(fake.published[0]["payload"])
+    assert envelope["ok"] and envelope["data"] == OUTPUT, envelope["error"]
+
+
+def test_an_abandoned_call_past_its_cancel_is_waited_for_a_second_only() -> None:
+    """Found in review: once a cancel came too late (no cancel hook, as for every MCP
+    tool), the item awaited its call, which passed each cancel of the item on to the call
+    and waited as long as the call took over it: an abandoned item waited for its call,
+    and a call that never stopped kept the executor from stopping."""
+
+    class CancelOnCheckIn(_DroppingDrain):
+        async def request(
+            self, subject: str, payload: bytes, timeout: float | None = None,
+            headers: dict[str, str] | None = None,
+        ) -> Any:
+            answer = await super().request(subject, payload, timeout, headers)
+            self.answers = {
+                "op-1": reply(LeaseDecision.CANCEL, "op-1", TOOL, fencing_token=5, attempt=2)
+            }
+            return answer
+
+    fake = CancelOnCheckIn({"op-1": reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS,
+                                          fencing_token=5, attempt=2, timeout_ms=30000)})
+    fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
+    running = asyncio.Event()
+
+    released = asyncio.Event()
+
+    async def never_stops(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        running.set()
+        while not released.is_set():  # released once the test has measured
+            with contextlib.suppress(asyncio.CancelledError):  # swallows every cancel
+                await asyncio.sleep(0.05)
+        return OUTPUT
+
+    took: list[float] = []
+
+    async def main() -> None:
+        runner = _runner(fake, _tool(never_stops), batch_size=2, heartbeat_interval_s=0.1)
+        serving = asyncio.get_running_loop().create_task(serve_until_stopped(runner))
+        await running.wait()
+        await asyncio.sleep(0.5)  # checked in: a cancel, too late without a hook
+        os.kill(os.getpid(), signal.SIGTERM)
+        await fake.draining.wait()
+        second = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        # Waited for, not awaited: cancelled at a timeout, the await would wait for it.
+        done, _ = await asyncio.wait({serving}, timeout=10)
+        if done:
+            took.append(time.monotonic() - second)
+        released.set()  # what nothing can stop would hold the loop's own end
+        await serving
+
+    asyncio.run(main())
+    assert took and took[0] < 3, f"still running 10 s after the second signal: {took}"
+    assert ("ack", "m1") not in fake.events and fake.published == []
