@@ -160,8 +160,12 @@ class SendLoggingClient(httpx2.AsyncClient):
         answered here with a JSON-RPC error (`NOT_CONNECTED`, HTTP 503), which the SDK
         hands to that request's caller alone. Raised, the connection error would end the
         SDK's whole session, and every call in flight on it, answered or not, would
-        become an unknown outcome: a server draining for a restart, or one whose
-        backlog is full, refuses new connections while it answers those it holds.
+        become an unknown outcome: a server draining for a restart refuses new
+        connections while it answers those it holds. A courtesy the client owes the
+        server (a cancel notification, its answer to the server's own request) that
+        gets no connection is answered 202: lost, as on any network, and the session
+        goes on. The handshake's requests and the other notifications are raised, as
+        the SDK would have them.
         """
         given = self._sends.given(request)
         connected = True
@@ -169,11 +173,10 @@ class SendLoggingClient(httpx2.AsyncClient):
             return await super().send(request, **kwargs)
         except _NOT_CONNECTED as error:
             connected = False
-            method, request_id = _message(request)
-            if method == "notifications/cancelled":
-                # A courtesy cancel: not delivered, harmless; raised, it ended the session.
+            kind, request_id = _message(request)
+            if kind in ("notifications/cancelled", _ANSWER):
                 return httpx2.Response(202, request=request)
-            if request_id is None or method in ("server/discover", "initialize"):
+            if request_id is None or kind in ("server/discover", "initialize"):
                 # A notification or a batch; or the handshake, where the SDK's `auto` mode
                 # would take any JSON-RPC error as "legacy server" and downgrade the session.
                 raise
@@ -194,15 +197,24 @@ class SendLoggingClient(httpx2.AsyncClient):
             self._sends.sent(given, connected=connected)
 
 
+_ANSWER = "(an answer)"
+"""`_message`'s kind for a JSON-RPC response or error the client sends the server."""
+
+
 def _message(request: httpx2.Request) -> tuple[str | None, str | int | None]:
-    """The method and `id` of the one JSON-RPC message a POST carries (None, None else)."""
+    """The method (`_ANSWER` for a response) and `id` of the one JSON-RPC message a POST
+    carries; (None, None) for anything else."""
     if request.method != "POST":
         return None, None
     try:
         body = orjson.loads(request.content)
     except (httpx2.RequestNotRead, orjson.JSONDecodeError):
         return None, None
-    if not isinstance(body, dict) or not isinstance(body.get("method"), str):
+    if not isinstance(body, dict):
+        return None, None
+    if "method" not in body and "id" in body and ("result" in body or "error" in body):
+        return _ANSWER, None
+    if not isinstance(body.get("method"), str):
         return None, None
     request_id = body.get("id")
     if isinstance(request_id, bool) or not isinstance(request_id, str | int):

@@ -130,12 +130,25 @@ async def test_the_client_counts_a_refused_connection_as_not_connected() -> None
             "error": {"code": NOT_CONNECTED, "message": "no connection to the MCP server"
                                                         " (ConnectError)"},
         }
-        notification = httpx2.Request(
-            "POST", f"http://127.0.0.1:{port}/mcp",
-            content=orjson.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-        )
+        def refused_post(message: dict[str, Any]) -> httpx2.Request:
+            return httpx2.Request("POST", f"http://127.0.0.1:{port}/mcp",
+                                  content=orjson.dumps({"jsonrpc": "2.0", **message}))
+
         with pytest.raises(httpx2.ConnectError):
-            await client.send(notification)
+            await client.send(refused_post({"method": "notifications/initialized"}))
+        # What the client owes the server is a courtesy: lost, as on any network, and
+        # the session goes on (raised, it ended the session; found in review).
+        for courtesy in (
+            {"method": "notifications/cancelled", "params": {"requestId": 3}},
+            {"id": 7, "result": {}},  # its answer to the server's ping
+            {"id": 8, "error": {"code": -1, "message": "declined"}},  # to an elicitation
+        ):
+            assert (await client.send(refused_post(courtesy))).status_code == 202
+        # The handshake is raised: any error there makes the SDK fall back to the older
+        # revision (found in review).
+        for handshake in ("initialize", "server/discover"):
+            with pytest.raises(httpx2.ConnectError):
+                await client.send(refused_post({"id": 1, "method": handshake, "params": {}}))
 
     def answer(request: httpx2.Request) -> httpx2.Response:
         return httpx2.Response(200, json={"jsonrpc": "2.0", "id": 0, "result": {}})

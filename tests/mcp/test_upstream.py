@@ -772,3 +772,29 @@ async def test_a_call_waiting_for_a_probe_as_the_tool_closes_opens_no_session(
     finally:
         for pid in _running_children("tests.mcp.sample_server") - before:
             os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_timeout_whose_probe_gets_no_connection_leaves_the_calls_in_flight_alone(
+    tmp_path: Path,
+) -> None:
+    """A call whose answer does not come in time (the SDK's own timeout) is followed by a
+    probe of its session. During a drain the probe gets no connection, which says nothing
+    of the session: it is retired, not dropped, and the call in flight beside it gets its
+    answer. The call that timed out stays unknown: it was sent."""
+    server, gate, tool, effects = await _draining(tmp_path)
+    try:
+        slow = await _in_flight(tool, effects, "op-slow", 3000)
+        late = asyncio.ensure_future(
+            _run(tool, {"line": "late", "delay_ms": 3000}, context("op-late", seconds=1.2))
+        )
+        await asyncio.sleep(0.3)  # its request has its connection, behind op-slow's
+        await gate.shut()
+        with pytest.raises(ToolError) as timed_out:
+            await late
+        assert timed_out.value.code == "UPSTREAM_NO_ANSWER" and timed_out.value.outcome_unknown
+        assert await slow == {"line": "op-slow", "count": 2}
+    finally:
+        await gate.close()
+        _stop(server)
+        if tool.close is not None:
+            await tool.close()
