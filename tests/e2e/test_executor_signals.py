@@ -16,14 +16,11 @@ import pytest
 
 from ledger.client import AgentHostClient
 from ledger.nats import connect_as
-from schemas import RuntimeContext, ToolProposal
 from tests.e2e.conftest import BackendStack, backend_stack
+from tests.e2e.test_cancellation import TOOL, _kinds, _propose, _until_running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
-READER = RuntimeContext(principal="alice", tenant="acme",
-                        capabilities=frozenset({"orders:read"}))
-TOOL = "query_orders"
 SLOW = "tests.e2e.slow_tool:slow_query_orders"
 
 
@@ -43,20 +40,8 @@ async def host(stack: BackendStack) -> AsyncIterator[AgentHostClient]:
 
 
 async def _running(host: AgentHostClient, operation_id: str) -> None:
-    proposal = ToolProposal(
-        proposal_id=f"p-{operation_id}", conversation_id="c-1", requested_by_user_id="alice",
-        tool_name=TOOL, arguments={"limit": 10}, operation_id=operation_id,
-    )
-    assert (await host.propose(proposal, READER)).state == "ready"
-    for _ in range(300):
-        if (await host.status(operation_id)).state == "executing":
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{operation_id} never ran")
-
-
-def _kinds(stack: BackendStack, operation_id: str) -> list[str]:
-    return [type(e).__name__ for e in stack.ledger().history(operation_id)]
+    await _propose(host, operation_id)
+    await _until_running(host, operation_id)
 
 
 async def _exit_code(process: subprocess.Popen[bytes], within_s: float) -> int:

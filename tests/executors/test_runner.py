@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 
@@ -621,6 +621,28 @@ def test_an_abandoned_items_tool_call_ends_before_the_tool_closes() -> None:
     assert ended < fake.events.index(("tool closed",)) < fake.events.index(("executor ended",))
 
 
+_Fake = TypeVar("_Fake", bound=FakeNats)
+
+
+def _cancelled_after_its_lease(kind: type[_Fake]) -> _Fake:
+    """A `kind` fake whose op-1 gets its lease (30 s), and whose every check-in after
+    that is answered `cancel`."""
+    fake = kind({"op-1": reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS,
+                               fencing_token=5, attempt=2, timeout_ms=30000)})
+    leased = fake.request
+
+    async def request(subject: str, payload: bytes, timeout: float | None = None,
+                      headers: dict[str, str] | None = None) -> Any:
+        answer = await leased(subject, payload, timeout, headers)
+        fake.answers = {
+            "op-1": reply(LeaseDecision.CANCEL, "op-1", TOOL, fencing_token=5, attempt=2)
+        }
+        return answer
+
+    fake.request = request  # type: ignore[method-assign]
+    return fake
+
+
 def test_an_abandoned_items_check_ins_end_with_it() -> None:
     """Found in review: when the tool's call took longer than the re-cancel's half second
     over its cancel, the wait for it swallowed the cancel that would have ended the
@@ -666,19 +688,7 @@ def test_a_call_that_ends_with_its_output_after_a_cancel_reports_it() -> None:
     dropped and the call reported cancelled before any effect. What happened is
     published instead."""
 
-    class CancelOnCheckIn(FakeNats):
-        async def request(
-            self, subject: str, payload: bytes, timeout: float | None = None,
-            headers: dict[str, str] | None = None,
-        ) -> Any:
-            answer = await super().request(subject, payload, timeout, headers)
-            self.answers = {
-                "op-1": reply(LeaseDecision.CANCEL, "op-1", TOOL, fencing_token=5, attempt=2)
-            }
-            return answer
-
-    fake = CancelOnCheckIn({"op-1": reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS,
-                                          fencing_token=5, attempt=2, timeout_ms=30000)})
+    fake = _cancelled_after_its_lease(FakeNats)
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
 
     async def committing(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
@@ -704,19 +714,7 @@ def test_an_abandoned_call_past_its_cancel_is_waited_for_a_second_only() -> None
     and waited as long as the call took over it: an abandoned item waited for its call,
     and a call that never stopped kept the executor from stopping."""
 
-    class CancelOnCheckIn(_DroppingDrain):
-        async def request(
-            self, subject: str, payload: bytes, timeout: float | None = None,
-            headers: dict[str, str] | None = None,
-        ) -> Any:
-            answer = await super().request(subject, payload, timeout, headers)
-            self.answers = {
-                "op-1": reply(LeaseDecision.CANCEL, "op-1", TOOL, fencing_token=5, attempt=2)
-            }
-            return answer
-
-    fake = CancelOnCheckIn({"op-1": reply(LeaseDecision.EXECUTE, "op-1", TOOL, arguments=ARGS,
-                                          fencing_token=5, attempt=2, timeout_ms=30000)})
+    fake = _cancelled_after_its_lease(_DroppingDrain)
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
     running = asyncio.Event()
 

@@ -15,10 +15,9 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -588,54 +587,42 @@ async def test_a_call_that_gets_no_connection_leaves_the_calls_in_flight_alone(
     in flight, answered or not, became `UPSTREAM_NO_ANSWER`: an unknown outcome, for a
     lookup or a person. The session then takes no new call: once it is idle it closes,
     and the call after the server is back opens a new one."""
-    effects = tmp_path / "effects.jsonl"
-    server, url = start_sample_http_server(tmp_path, effects)
-    gate = _Gate(int(url.rsplit(":", 1)[1].split("/")[0]))
-    await gate.open()
-    tool = mcp_tool("append_log", McpUpstream(url=f"http://127.0.0.1:{gate.port}/mcp"))
-    started = effects.with_name(effects.name + ".started")
-    try:
-        warm = await _run(tool, {"line": "warm", "delay_ms": 0}, context("op-warm", seconds=20))
-        assert warm == {"line": "warm", "count": 1}
-        slow = asyncio.ensure_future(
-            _run(tool, {"line": "slow", "delay_ms": 2000}, context("op-slow", seconds=20))
-        )
-        deadline = time.monotonic() + 10
-        while "op-slow" not in (started.read_text() if started.exists() else ""):
-            assert time.monotonic() < deadline and not slow.done()
-            await asyncio.sleep(0.05)
+    async with _draining(tmp_path) as (gate, tool, effects):
+        slow = await _in_flight(tool, effects, "op-slow", 2000)
         await gate.shut()
         with pytest.raises(ToolError) as refused:
             await _run(tool, {"line": "refused", "delay_ms": 0},
                        context("op-refused", seconds=20))
         assert refused.value.code == "UPSTREAM_UNAVAILABLE"
         assert refused.value.retryable and not refused.value.outcome_unknown
-        assert await slow == {"line": "slow", "count": 2}
+        assert await slow == {"line": "op-slow", "count": 2}
         assert _sent(effects, "op-refused") == []
         await gate.open()  # back
         after = await _run(tool, {"line": "after", "delay_ms": 0},
                            context("op-after", seconds=20))
         assert after == {"line": "after", "count": 3}
-    finally:
-        await gate.close()
-        _stop(server)
-        close = tool.close
-        if close is not None:
-            await close()
 
 
+@contextlib.asynccontextmanager
 async def _draining(
     tmp_path: Path, *, lookup_tool: str | None = None
-) -> tuple[subprocess.Popen[bytes], _Gate, Tool, Path]:
-    """The sample server over HTTP behind a gate, and a tool warmed up on it."""
+) -> AsyncIterator[tuple[_Gate, Tool, Path]]:
+    """The sample server over HTTP behind a gate, and a tool warmed up on it (closed,
+    with the gate and the server, at the end)."""
     effects = tmp_path / "effects.jsonl"
     server, url = start_sample_http_server(tmp_path, effects)
     gate = _Gate(int(url.rsplit(":", 1)[1].split("/")[0]))
-    await gate.open()
     tool = mcp_tool("append_log", McpUpstream(url=f"http://127.0.0.1:{gate.port}/mcp"),
                     lookup_tool=lookup_tool)
-    await _run(tool, {"line": "warm", "delay_ms": 0}, context("op-warm", seconds=20))
-    return server, gate, tool, effects
+    try:
+        await gate.open()
+        await _run(tool, {"line": "warm", "delay_ms": 0}, context("op-warm", seconds=20))
+        yield gate, tool, effects
+    finally:
+        await gate.close()
+        _stop(server)
+        if tool.close is not None:
+            await tool.close()
 
 
 async def _in_flight(tool: Tool, effects: Path, key: str, delay_ms: int) -> asyncio.Future[Any]:
@@ -659,18 +646,12 @@ async def test_a_lookup_that_gets_no_connection_leaves_the_calls_in_flight_alone
     that followed got no connection either, the session was dropped, and the call in
     flight on it became an unknown outcome. A probe without a connection now says
     nothing of the session: it only takes no new call."""
-    server, gate, tool, effects = await _draining(tmp_path, lookup_tool="lookup_call")
-    try:
+    async with _draining(tmp_path, lookup_tool="lookup_call") as (gate, tool, effects):
         slow = await _in_flight(tool, effects, "op-slow", 2000)
         await gate.shut()
         looked_up = await _reconcile(tool, "op-other")
         assert looked_up.status is ReconcileStatus.UNKNOWN  # the lookup did not answer
         assert await slow == {"line": "op-slow", "count": 2}
-    finally:
-        await gate.close()
-        _stop(server)
-        if tool.close is not None:
-            await tool.close()
 
 
 async def test_a_cancel_that_gets_no_connection_leaves_the_calls_in_flight_alone(
@@ -689,8 +670,7 @@ async def test_a_cancel_that_gets_no_connection_leaves_the_calls_in_flight_alone
 
     monkeypatch.setattr(ledger.mcp.executor, "Client",
                         functools.partial(mcp.Client, mode="legacy"))
-    server, gate, tool, effects = await _draining(tmp_path)
-    try:
+    async with _draining(tmp_path) as (gate, tool, effects):
         slow = await _in_flight(tool, effects, "op-slow", 3000)
         cut = asyncio.ensure_future(
             _run(tool, {"line": "cut", "delay_ms": 3000}, context("op-cut", seconds=20))
@@ -702,11 +682,6 @@ async def test_a_cancel_that_gets_no_connection_leaves_the_calls_in_flight_alone
         with pytest.raises(asyncio.CancelledError):
             await cut
         assert await slow == {"line": "op-slow", "count": 2}
-    finally:
-        await gate.close()
-        _stop(server)
-        if tool.close is not None:
-            await tool.close()
 
 
 async def test_a_refused_connect_at_session_open_does_not_downgrade_the_protocol(
@@ -781,8 +756,7 @@ async def test_a_timeout_whose_probe_gets_no_connection_leaves_the_calls_in_flig
     probe of its session. During a drain the probe gets no connection, which says nothing
     of the session: it is retired, not dropped, and the call in flight beside it gets its
     answer. The call that timed out stays unknown: it was sent."""
-    server, gate, tool, effects = await _draining(tmp_path)
-    try:
+    async with _draining(tmp_path) as (gate, tool, effects):
         slow = await _in_flight(tool, effects, "op-slow", 3000)
         late = asyncio.ensure_future(
             _run(tool, {"line": "late", "delay_ms": 3000}, context("op-late", seconds=1.2))
@@ -793,8 +767,3 @@ async def test_a_timeout_whose_probe_gets_no_connection_leaves_the_calls_in_flig
             await late
         assert timed_out.value.code == "UPSTREAM_NO_ANSWER" and timed_out.value.outcome_unknown
         assert await slow == {"line": "op-slow", "count": 2}
-    finally:
-        await gate.close()
-        _stop(server)
-        if tool.close is not None:
-            await tool.close()
