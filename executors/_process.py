@@ -84,6 +84,7 @@ __all__ = [
     "LeaseFn",
     "ProcessorOptions",
     "result_msg_id",
+    "wait_through_cancels",
 ]
 
 LeaseFn = Callable[[LeaseRequest], Awaitable[LeaseReply]]
@@ -221,10 +222,25 @@ _RUN_STOP_S = 1.0
 """How long a tool's cancelled call has to end before its item ends without it."""
 
 
+async def wait_through_cancels(task: asyncio.Task[Any], seconds: float) -> bool:
+    """Wait up to `seconds` for `task` to end, also through cancels of the caller; True
+    if the caller was cancelled meanwhile (it raises that once what it must still do is
+    done: a tool's close, a cancelled call's end)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    cancelled = False
+    while not task.done() and (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait({task}, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
 async def _ended_within(run: asyncio.Task[Any], seconds: float) -> bool:
     """Wait (up to `seconds`) until the cancelled `run` has ended, also through further
-    cancels of the caller; True if the caller was cancelled meanwhile (its caller raises
-    that once what it must still do is done).
+    cancels of the caller; True if the caller was cancelled meanwhile
+    (`wait_through_cancels`).
 
     The tool's call runs in a task of its own, cancelled when its item stops (a
     deadline, a cancel, a second SIGTERM). Not waited for, a call still unwinding (an
@@ -233,14 +249,7 @@ async def _ended_within(run: asyncio.Task[Any], seconds: float) -> bool:
     in review). A call in a worker thread (`_invoke`) ends at once here: its thread
     cannot be stopped and is not waited for.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    cancelled = False
-    while not run.done() and (left := deadline - loop.time()) > 0:
-        try:
-            await asyncio.wait({run}, timeout=left)
-        except asyncio.CancelledError:
-            cancelled = True
+    cancelled = await wait_through_cancels(run, seconds)
     if run.done() and not run.cancelled():
         run.exception()  # retrieved: what a call cut off raised is not its item's
     return cancelled

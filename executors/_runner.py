@@ -40,6 +40,7 @@ from executors._process import (
     ItemProcessor,
     ProcessorOptions,
     result_msg_id,
+    wait_through_cancels,
 )
 from policy import ContractRegistry, ToolContract
 from schemas import (
@@ -281,14 +282,7 @@ class ExecutorRunner:
         if close is None:
             return
         closing = asyncio.ensure_future(close())
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _TOOL_CLOSE_S
-        cancelled = False
-        while not closing.done() and (left := deadline - loop.time()) > 0:
-            try:
-                await asyncio.wait({closing}, timeout=left)
-            except asyncio.CancelledError:
-                cancelled = True
+        cancelled = await wait_through_cancels(closing, _TOOL_CLOSE_S)
         if not closing.done():
             self._log.warning("the tool did not close within %.0f s", _TOOL_CLOSE_S)
             closing.cancel()
