@@ -179,20 +179,12 @@ class _Connection:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         async with self._turn(deadline):
-            if self._shut:
-                # The executor stops: a session opened now would start a server process
-                # that nothing closes any more. Nothing was sent, so it may be retried.
-                raise UpstreamUnavailable(
-                    "the executor is stopping", upstream=self._upstream.describe()
-                )
+            self._refuse_if_shut()
             if self._probe is not None and not self._probe.done():
                 # A call was cut short on this session a moment ago: whether it still
                 # answers decides whether this call may go to it.
                 await asyncio.wait({self._probe}, timeout=max(deadline - loop.time(), 0))
-                if self._shut:  # closed meanwhile: open nothing that `close` would miss
-                    raise UpstreamUnavailable(
-                        "the executor is stopping", upstream=self._upstream.describe()
-                    )
+                self._refuse_if_shut()  # closed meanwhile: open nothing `close` would miss
             if self._client is not None and self._owner is not None and not self._owner.done():
                 if self._transport is None or not self._transport.ended:
                     return self._client
@@ -229,6 +221,14 @@ class _Connection:
                 ) from None
             self._client = client
             return client
+
+    def _refuse_if_shut(self) -> None:
+        """After `close` (the executor stops), a session opened would start a server
+        process that nothing closes any more: the call fails, not sent, retryable."""
+        if self._shut:
+            raise UpstreamUnavailable(
+                "the executor is stopping", upstream=self._upstream.describe()
+            )
 
     @contextlib.asynccontextmanager
     async def _turn(self, deadline: float) -> AsyncIterator[None]:
@@ -324,16 +324,26 @@ class _Connection:
             self._closing.add(owner)  # held: a task nobody holds may be collected
             owner.add_done_callback(self._closed)
 
-    def _retire(self) -> asyncio.Task[None] | None:
-        """Hand the current session out no more and let it close in the background; the
-        task holding it (None: there was none)."""
+    def _retire(self, *, when_idle: bool = False) -> asyncio.Task[None] | None:
+        """Hand the current session out no more and let it close in the background (with
+        `when_idle`, once its calls in flight are over); the task holding it (None: there
+        was none)."""
         owner, stop = self._owner, self._stop
         self._client = None
-        if stop is not None:
-            stop.set()
         if owner is not None:
             self._keep_closing(owner)
+        if stop is not None:
+            if when_idle and owner is not None and self._calls.get(owner, 0):
+                self._idle_stops[owner] = stop
+            else:
+                stop.set()
         return owner
+
+    def _stop_if_retired(self, session: asyncio.Task[None]) -> None:
+        """Close now a session that waited to be idle (`retire_when_idle`), if it did."""
+        idle_stop = self._idle_stops.pop(session, None)
+        if idle_stop is not None:
+            idle_stop.set()
 
     def _closed(self, owner: asyncio.Task[None]) -> None:
         self._closing.discard(owner)
@@ -356,24 +366,15 @@ class _Connection:
                 self._calls[session] = left
             else:
                 del self._calls[session]
-                idle_stop = self._idle_stops.pop(session, None)
-                if idle_stop is not None:
-                    idle_stop.set()
+                self._stop_if_retired(session)
 
     def retire_when_idle(self, session: asyncio.Task[None] | None) -> None:
         """Hand `session` out no more, and close it once its calls in flight are over:
         one of its requests got no connection (a server draining for a restart refuses
         new ones while it answers those it holds), so the next call opens a new session,
         while the calls on this one get their answers."""
-        if session is None or session is not self._owner or self._stop is None:
-            return  # replaced already
-        stop = self._stop
-        self._client = None
-        self._keep_closing(session)  # `close` still halts it, should the executor stop
-        if self._calls.get(session, 0):
-            self._idle_stops[session] = stop
-        else:
-            stop.set()
+        if session is not None and session is self._owner:  # else replaced already
+            self._retire(when_idle=True)  # among those closing: `close` still halts it
 
     def check_later(self, client: Client, session: asyncio.Task[None] | None) -> None:
         """A call on `session` was cut short (the runner's deadline) before the SDK's own
@@ -420,9 +421,7 @@ class _Connection:
             # Replaced already: whoever replaced it stopped it, or it waits to be idle
             # (then it is lost: it closes now); the current session, another call's, is
             # not this one to close.
-            idle_stop = self._idle_stops.pop(session, None)
-            if idle_stop is not None:
-                idle_stop.set()
+            self._stop_if_retired(session)
             await asyncio.wait({session}, timeout=5)
             return
         owner = self._retire()  # among those closing too, should this wait be cut short
@@ -554,14 +553,6 @@ def mcp_tool(
                 connection.check_later(client, session)
                 raise
             except MCPError as error:
-                if error.code == NOT_CONNECTED and reached is not None and not reached():
-                    # None of this call's requests got a connection (the count says so,
-                    # not the code, which any server may send): nothing was sent. The
-                    # session keeps its calls in flight and takes no new one.
-                    connection.retire_when_idle(session)
-                    raise UpstreamUnavailable(
-                        "the MCP server could not be reached", upstream=upstream.describe()
-                    ) from None
                 # No JSON-RPC error proves the tool did not run: a running tool may raise
                 # any code after its effect (the SDK passes a handler's error through, and
                 # raises `INVALID_REQUEST` itself when a tool asks its client something
@@ -576,16 +567,21 @@ def mcp_tool(
                 # hung server, an expired session): then it goes, and the next call opens
                 # anew.
                 if error.code == NOT_CONNECTED:
-                    # This request got no connection (the count said "may have reached" for
-                    # another reason): the session's other calls go on; it takes no new one.
+                    # This request got no connection: the session keeps its calls in
+                    # flight and takes no new one. Whether the call was sent is the
+                    # count's to say, not this code's, which any server may send.
                     connection.retire_when_idle(session)
+                    if reached is not None and not reached():
+                        raise UpstreamUnavailable(
+                            "the MCP server could not be reached", upstream=upstream.describe()
+                        ) from None
                     session_lost = False
                 elif error.code in _SESSION_LOST:
                     session_lost = True
                 else:
                     answers = await _still_answers(client)
                     if answers is None:
-                        # The probe got no connection: the server is draining or full,
+                        # The probe got no connection: the server is draining,
                         # and the calls in flight on this session may still be answered.
                         connection.retire_when_idle(session)
                     session_lost = answers is False
