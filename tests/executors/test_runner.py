@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
@@ -439,6 +439,17 @@ def _closing_tool(events: list[tuple[Any, ...]], run: Any = None, close: Any = N
     return tool
 
 
+def _hanging(running: asyncio.Event) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """A tool's run that sets `running`, then never ends by itself."""
+
+    async def hangs(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
+        running.set()
+        await asyncio.Event().wait()
+        return OUTPUT
+
+    return hangs
+
+
 def test_the_tools_close_is_awaited_once_when_the_executor_stops_after_its_last_item() -> None:
     fake = FakeNats({"op-1": _execute("op-1")})
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
@@ -454,11 +465,7 @@ def test_an_abandoned_item_still_closes_the_tool() -> None:
     fake = FakeNats({"op-1": _execute("op-1")})
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
     running = asyncio.Event()
-
-    async def hangs(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
-        running.set()
-        await asyncio.Event().wait()
-        return OUTPUT
+    hangs = _hanging(running)
 
     async def main() -> None:
         task = asyncio.get_running_loop().create_task(
@@ -559,11 +566,7 @@ def test_a_second_signal_abandons_the_item_even_when_nats_drops_the_cancel() -> 
     fake = _DroppingDrain({"op-1": _execute("op-1")})
     fake.batches = [[fake.message("m1", work_item("op-1", TOOL))]]
     running = asyncio.Event()
-
-    async def hangs(arguments: Mapping[str, Any], context: ToolContext) -> dict[str, Any]:
-        running.set()
-        await asyncio.Event().wait()
-        return OUTPUT
+    hangs = _hanging(running)
 
     async def main() -> None:
         runner = _runner(fake, _closing_tool(fake.events, hangs), batch_size=2)

@@ -638,6 +638,16 @@ async def _in_flight(tool: Tool, effects: Path, key: str, delay_ms: int) -> asyn
     return call
 
 
+async def _behind(tool: Tool, key: str, *, seconds: float) -> asyncio.Future[Any]:
+    """A call of 3 s within `seconds`, sent while another is in flight: once it returns,
+    its request has its connection, and waits behind the other's."""
+    call = asyncio.ensure_future(
+        _run(tool, {"line": key, "delay_ms": 3000}, context(key, seconds=seconds))
+    )
+    await asyncio.sleep(0.3)
+    return call
+
+
 async def test_a_lookup_that_gets_no_connection_leaves_the_calls_in_flight_alone(
     tmp_path: Path,
 ) -> None:
@@ -672,10 +682,7 @@ async def test_a_cancel_that_gets_no_connection_leaves_the_calls_in_flight_alone
                         functools.partial(mcp.Client, mode="legacy"))
     async with _draining(tmp_path) as (gate, tool, effects):
         slow = await _in_flight(tool, effects, "op-slow", 3000)
-        cut = asyncio.ensure_future(
-            _run(tool, {"line": "cut", "delay_ms": 3000}, context("op-cut", seconds=20))
-        )
-        await asyncio.sleep(0.3)  # its request has its connection, behind op-slow's
+        cut = await _behind(tool, "op-cut", seconds=20)
         await gate.shut()
         await asyncio.sleep(0.2)
         cut.cancel()  # the runner's deadline: the SDK posts its cancel, refused
@@ -758,10 +765,7 @@ async def test_a_timeout_whose_probe_gets_no_connection_leaves_the_calls_in_flig
     answer. The call that timed out stays unknown: it was sent."""
     async with _draining(tmp_path) as (gate, tool, effects):
         slow = await _in_flight(tool, effects, "op-slow", 3000)
-        late = asyncio.ensure_future(
-            _run(tool, {"line": "late", "delay_ms": 3000}, context("op-late", seconds=1.2))
-        )
-        await asyncio.sleep(0.3)  # its request has its connection, behind op-slow's
+        late = await _behind(tool, "op-late", seconds=1.2)
         await gate.shut()
         with pytest.raises(ToolError) as timed_out:
             await late
